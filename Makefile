@@ -1,0 +1,34 @@
+# Two commands for a newcomer (README.md): `make book` and `make test`.
+# Both create the virtual environment in .venv and install requirements.txt first.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+
+.PHONY: setup book test bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt
+	@# OpenBLAS (cmeel-openblas) needs the Fortran runtime; Debian/Ubuntu ship it as libgfortran5
+	@if [ "$$(uname)" = Linux ] && ! ldconfig -p | grep -q 'libgfortran.so.5 '; then \
+	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && apt-get install -y -qq --no-install-recommends libgfortran5; \
+	  else echo "note: install libgfortran5 for the fast BLAS (MLX falls back to its slow reference BLAS)"; fi; fi
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# llama-cpp-python builds llama.cpp from source (several minutes on 2 cores)
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc 2>/dev/null || echo 2) $(BIN)/python -m pip install -r requirements.txt
+	touch $@
+
+book: setup
+	$(BIN)/jupyter-book build . --warningiserror --keep-going
+	@echo "The book: _build/html/index.html"
+
+test: setup
+	$(BIN)/python -m pytest
+
+bench: setup
+	$(BIN)/python -m ref_impl bench
+
+clean:
+	rm -rf _build .pytest_cache

@@ -1,0 +1,132 @@
+"""Command line: python -m ref_impl generate|inspect|train|bench.
+
+    python -m ref_impl generate --model models/stdlib-10m.gguf --prompt "def "
+    python -m ref_impl inspect models/stdlib-10m.gguf
+    python -m ref_impl train --preset stdlib-10m --out models/
+    python -m ref_impl bench --model models/stdlib-10m.gguf
+
+Bad input (a missing or malformed file, an impossible setting) prints one line on stderr
+and exits with status 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from . import gguf
+
+
+def cmd_generate(a: argparse.Namespace) -> None:
+    import mlx.core as mx
+
+    from .generate import Sampler, generate
+    from .model import load
+
+    model, tokenizer = load(a.model, {"float32": mx.float32, "float16": mx.float16,
+                                      "bfloat16": mx.bfloat16, None: None}[a.dtype])
+    sampler = Sampler(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
+    sys.stdout.write(a.prompt)
+    g = generate(model, tokenizer, a.prompt, a.max_tokens, sampler, pipeline=not a.sync,
+                 on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    print(f"\n\n[{len(g.prompt_tokens)} prompt tokens, {len(g.tokens)} generated] "
+          f"TTFT {g.ttft * 1e3:.1f} ms, decode {g.decode_tokens_per_s:.1f} tok/s", file=sys.stderr)
+
+
+def cmd_inspect(a: argparse.Namespace) -> None:
+    with gguf.read(a.path) as f:
+        print(f"GGUF v{f.version}: {len(f.metadata)} metadata keys, {len(f.tensors)} tensors, "
+              f"alignment {f.alignment}, data at offset {f.data_offset}")
+        for key, value in f.metadata.items():
+            text = repr(value)
+            if isinstance(value, (list, tuple)) or hasattr(value, "shape"):
+                head = ", ".join(repr(v) for v in list(value[:4]))
+                text = f"[{head}{', ...' if len(value) > 4 else ''}] ({len(value)} items)"
+            print(f"  {key:<44} {f.metadata_types[key].name:<8} {text[:100]}")
+        print(f"\n  {'tensor':<32} {'type':<6} {'shape':<16} {'offset':>12} {'bytes':>12}")
+        for t in f.tensors.values():
+            print(f"  {t.name:<32} {t.type.name:<6} {str(t.shape):<16} {t.offset:>12} {t.nbytes:>12}")
+        total = sum(t.nbytes for t in f.tensors.values())
+        print(f"\n  {len(f.tensors)} tensors, {total / 1e6:.2f} MB of tensor data")
+
+
+def cmd_train(a: argparse.Namespace) -> None:
+    from .train import config_for, train
+
+    cfg = config_for(a.preset, steps=a.steps, seed=a.seed)
+    log = train(cfg, Path(a.out), progress=not a.quiet)
+    print(f"wrote {Path(a.out) / log['model']['file']}: {log['model']['parameters'] / 1e6:.2f}M parameters, "
+          f"held-out perplexity {log['heldout_perplexity']:.2f}, {log['seconds']['total']:.0f} s")
+
+
+def cmd_bench(a: argparse.Namespace) -> None:
+    from .bench import bench_decode, write_results
+
+    if not Path(a.model).is_file():
+        raise gguf.GGUFError(f"no such file: {a.model}")
+    records = bench_decode(Path(a.model), a.prompt_len, a.gen_tokens, a.repeats, peers=not a.no_peers)
+    path = write_results(records, Path(a.out), "python -m ref_impl " + shlex.join(sys.argv[1:]), a.label)
+    for r in records:
+        if r["metric"] in ("tokens_per_s", "ttft_ms"):
+            print(f"  {r['peer'] or 'ours (' + r['variant'] + ')':<44} {r['metric']:<14} "
+                  f"{r['value']:10.2f} {r['unit']}")
+    print(f"wrote {path}")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ref_impl", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="continue a prompt with a GGUF model")
+    g.add_argument("--model", required=True, help="a llama-architecture GGUF file")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temp", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="default: float32 on CPU, float16 on GPU")
+    g.add_argument("--sync", action="store_true", help="wait for each token (no async_eval pipelining)")
+    g.set_defaults(run=cmd_generate)
+
+    i = sub.add_parser("inspect", help="print a GGUF file's metadata and tensor table")
+    i.add_argument("path")
+    i.set_defaults(run=cmd_inspect)
+
+    t = sub.add_parser("train", help="train the tokenizer and a model on the standard library")
+    t.add_argument("--preset", default="stdlib-10m")
+    t.add_argument("--out", default="models")
+    t.add_argument("--steps", type=int)
+    t.add_argument("--seed", type=int)
+    t.add_argument("--quiet", action="store_true")
+    t.set_defaults(run=cmd_train)
+
+    b = sub.add_parser("bench", help="measure decode speed (and peers) and write results/*.json")
+    b.add_argument("--model", default="models/stdlib-10m.gguf")
+    b.add_argument("--prompt-len", type=int, default=128)
+    b.add_argument("--gen-tokens", type=int, default=128)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--no-peers", action="store_true", help="skip mlx-lm and llama.cpp")
+    b.add_argument("--label", help="machine label for the file name (default: host-backend)")
+    b.add_argument("--out", default="results")
+    b.set_defaults(run=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    try:
+        a.run(a)
+    except (gguf.GGUFError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""Benchmarks: measure the decoder and its peers on this machine, write results/*.json.
+
+Every measured number in the book comes from a file this module writes, one file per machine
+and run, in one shape (DESIGN.md, "Measured results"): the machine, the command, and tidy
+records {experiment, model, weights, kv, context, metric, unit, value, samples, peer}.
+
+Decode benchmarks follow the usual discipline: a warm-up run first, random prompt tokens from
+a fixed seed, greedy sampling, end-of-sequence ignored, every result evaluated before the clock
+stops; prefill (TTFT) and decode (tokens/s, inter-token latency) reported separately. Peers run
+in the same process on the same weights: mlx-lm (weights converted from the GGUF, same dtype)
+and llama.cpp (the same GGUF file, through llama-cpp-python).
+
+    python -m ref_impl bench --model models/stdlib-10m.gguf
+
+See chapter: capstone
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from importlib import metadata as pkg_metadata
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from . import blas, gguf
+from .generate import Sampler, generate_step
+from .model import gguf_to_mlx_name, load_model
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    if platform.system() == "Darwin":
+        out = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True)
+        return out.stdout.strip() or platform.machine()
+    return platform.processor() or platform.machine()
+
+
+def _gpu_name() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return "Apple GPU (Metal)" if mx.metal.is_available() else None
+
+
+def machine_info(label: str | None = None) -> dict:
+    """What ran the numbers: CPU, cores, GPU, MLX backend and version, Python, BLAS."""
+    gpu = _gpu_name()
+    on_gpu = mx.default_device() == mx.gpu
+    backend = ("metal" if mx.metal.is_available() else "cuda") if on_gpu else "cpu"
+    return {
+        "label": label or f"{platform.node() or 'machine'}-{backend}",
+        "cpu": _cpu_model(), "cores": os.cpu_count(), "gpu": gpu, "backend": backend,
+        "mlx": mx.__version__, "python": platform.python_version(), "os": platform.platform(),
+        "blas": blas.blas_info(),
+    }
+
+
+def _package_version(name: str) -> str:
+    try:
+        return pkg_metadata.version(name)
+    except pkg_metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _time_tokens(tokens: Iterator, n: int) -> tuple[float, list[float]]:
+    """Pull n tokens from a started generator; return (start, per-token timestamps)."""
+    start = time.perf_counter()
+    times = []
+    for _, _token in zip(range(n), tokens):
+        times.append(time.perf_counter())
+    return start, times
+
+
+def _summarize(runs: list[tuple[float, list[float]]], prompt_len: int) -> dict[str, tuple[float, list]]:
+    """TTFT, prefill and decode throughput, ITL percentiles over repeated runs (medians of runs)."""
+    ttft = [t[0] - s for s, t in runs]
+    itl = [np.diff(t) for _, t in runs]
+    tps = [len(d) / d.sum() for d in itl]
+    all_itl = np.concatenate(itl) * 1e3
+    return {
+        "tokens_per_s": (float(np.median(tps)), tps),
+        "ttft_ms": (float(np.median(ttft)) * 1e3, [x * 1e3 for x in ttft]),
+        "prefill_tokens_per_s": (prompt_len / float(np.median(ttft)), [prompt_len / x for x in ttft]),
+        "itl_p50_ms": (float(np.percentile(all_itl, 50)), []),
+        "itl_p99_ms": (float(np.percentile(all_itl, 99)), []),
+    }
+
+
+def _repeat(make_stream: Callable[[], Iterator], n: int, repeats: int) -> list:
+    _time_tokens(make_stream(), n)  # warm-up: kernels compiled, caches allocated, pages touched
+    return [_time_tokens(make_stream(), n) for _ in range(repeats)]
+
+
+def ours(path: Path, prompt: list[int], n: int, repeats: int, pipeline: bool) -> list:
+    """Our decoder on the GGUF file."""
+    with gguf.read(path) as f:
+        model = load_model(f, mx.float32)
+
+    def stream():
+        cache = model.make_cache(len(prompt) + n)
+        return generate_step(model, prompt, Sampler(), cache, pipeline=pipeline)
+    return _repeat(stream, n, repeats)
+
+
+def mlx_lm_peer(path: Path, prompt: list[int], n: int, repeats: int) -> list:
+    """mlx-lm's Llama on the same weights (converted from the GGUF, float32)."""
+    from mlx_lm.generate import generate_step as mlx_lm_generate_step
+    from mlx_lm.models import llama
+
+    with gguf.read(path) as f:
+        ours_model = load_model(f, mx.float32)
+    a = ours_model.args
+    model = llama.Model(llama.ModelArgs(
+        model_type="llama", hidden_size=a.hidden_size, num_hidden_layers=a.num_hidden_layers,
+        intermediate_size=a.intermediate_size, num_attention_heads=a.num_attention_heads,
+        num_key_value_heads=a.num_key_value_heads, head_dim=a.head_dim, rms_norm_eps=a.rms_norm_eps,
+        vocab_size=a.vocab_size, rope_theta=a.rope_theta, rope_traditional=True,
+        max_position_embeddings=a.max_position_embeddings, tie_word_embeddings=a.tie_word_embeddings))
+    from mlx.utils import tree_flatten
+    weights = [(("" if k.startswith("lm_head") else "model.") + k, v)
+               for k, v in tree_flatten(ours_model.parameters())]
+    model.load_weights(weights)
+    mx.eval(model.parameters())
+
+    def stream():
+        gen = mlx_lm_generate_step(mx.array(prompt), model, max_tokens=n, sampler=lambda x: mx.argmax(x, axis=-1))
+        return (tok for tok, _ in gen)
+    return _repeat(stream, n, repeats)
+
+
+def llama_cpp_peer(path: Path, prompt: list[int], n: int, repeats: int) -> list:
+    """llama.cpp on the same GGUF file, through llama-cpp-python, greedy."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(prompt) + n + 8, n_threads=os.cpu_count(),
+                          n_batch=max(512, len(prompt)), verbose=False)
+
+    def stream():
+        llm.reset()
+        return llm.generate(prompt, top_k=1, temp=0.0, reset=True)
+    return _repeat(stream, n, repeats)
+
+
+def bench_decode(path: Path, prompt_len: int = 128, gen_tokens: int = 128, repeats: int = 3,
+                 peers: bool = True, seed: int = 0) -> list[dict]:
+    """Decode records for our decoder (sync and pipelined) and, if asked, mlx-lm and llama.cpp."""
+    with gguf.read(path) as f:
+        vocab = f.tensors["token_embd.weight"].shape[0]
+        weights = gguf.GGMLType(f.tensors["blk.0.attn_q.weight"].type).name
+        name = f.metadata.get("general.name", path.stem)
+    prompt = np.random.default_rng(seed).integers(1, vocab, size=prompt_len).tolist()
+    runs = {("ours", "sync"): ours(path, prompt, gen_tokens, repeats, pipeline=False),
+            ("ours", "async_eval"): ours(path, prompt, gen_tokens, repeats, pipeline=True)}
+    if peers:
+        runs[("mlx-lm " + _package_version("mlx-lm"), "default")] = mlx_lm_peer(path, prompt, gen_tokens, repeats)
+        runs[("llama.cpp (llama-cpp-python " + _package_version("llama_cpp_python") + ")", "default")] = \
+            llama_cpp_peer(path, prompt, gen_tokens, repeats)
+    units = {"tokens_per_s": "tok/s", "prefill_tokens_per_s": "tok/s"}
+    records = []
+    for (engine, variant), r in runs.items():
+        for metric, (value, samples) in _summarize(r, prompt_len).items():
+            records.append({"experiment": "decode", "model": name, "weights": weights,
+                            "kv": "f32", "context": prompt_len + gen_tokens, "variant": variant,
+                            "metric": metric, "unit": units.get(metric, "ms"), "value": value,
+                            "samples": samples, "peer": None if engine == "ours" else engine})
+    return records
+
+
+def _git_commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() if out.returncode == 0 else "unknown"
+
+
+def write_results(records: list[dict], out_dir: Path, command: str, label: str | None = None) -> Path:
+    """Write results/<machine>-<date>.json in the course's one results shape."""
+    machine = machine_info(label)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    doc = {"schema": 1, "date": now.isoformat(timespec="seconds"), "git": _git_commit(),
+           "command": command, "machine": machine, "records": records}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{machine['label']}-{now:%Y%m%d-%H%M%S}.json"
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return path

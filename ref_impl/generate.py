@@ -1,0 +1,154 @@
+"""Generation: prefill the prompt, then decode one token at a time.
+
+Two phases with different costs. *Prefill* runs the whole prompt through the model in one
+forward (a matrix-matrix product per weight: compute-bound); its end is the time to first
+token (TTFT). *Decode* then feeds one token per forward (a matrix-vector product per weight:
+every weight is read from memory for one token, so it is bandwidth-bound); the gaps between
+tokens are the inter-token latencies (ITL).
+
+MLX is lazy: `model(...)` only builds a graph, and `mx.eval` runs it. The plain loop
+evaluates each token and reads it back (`.item()`), so the host waits while the device
+computes. With `pipeline=True` the graph of step t+1 is queued with `mx.async_eval` before
+step t's token is read, so building the next graph overlaps the current computation
+(the dispatch chapter measures what that buys). Both give identical tokens.
+
+See chapter: dispatch
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from .kvcache import KVCache
+from .model import Model
+from .tokenizer import Tokenizer
+
+
+@dataclass
+class Sampler:
+    """How the next token is chosen from logits: greedy when temperature == 0."""
+    temperature: float = 0.0
+    top_k: int = 0          # 0: no top-k cut
+    top_p: float = 1.0      # 1.0: no nucleus cut
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0 or self.top_k < 0 or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"invalid sampling settings: temperature={self.temperature} (>= 0), "
+                             f"top_k={self.top_k} (>= 0), top_p={self.top_p} (in (0, 1])")
+        self._key = mx.random.key(self.seed)
+
+    def __call__(self, logits: mx.array) -> mx.array:
+        """Pick one token id per row of logits (B, V) -> (B,), without a host sync."""
+        if self.temperature == 0:
+            return mx.argmax(logits, axis=-1)
+        self._key, key = mx.random.split(self._key)
+        logits = logits.astype(mx.float32) / self.temperature
+        if self.top_k == 0 and self.top_p == 1.0:
+            return mx.random.categorical(logits, key=key)
+        order = mx.argsort(-logits, axis=-1)                     # most likely first
+        ranked = mx.take_along_axis(logits, order, axis=-1)
+        keep = mx.ones(ranked.shape, dtype=mx.bool_)
+        if self.top_k:
+            keep = keep & (mx.arange(ranked.shape[-1]) < self.top_k)
+        if self.top_p < 1.0:
+            probs = mx.softmax(ranked, axis=-1)
+            # keep a token if the mass strictly before it is below top_p (the first always stays)
+            keep = keep & (mx.cumsum(probs, axis=-1) - probs < self.top_p)
+        ranked = mx.where(keep, ranked, -mx.inf)
+        choice = mx.random.categorical(ranked, key=key)
+        return mx.take_along_axis(order, choice[..., None], axis=-1)[..., 0]
+
+
+def prefill(model: Model, tokens: mx.array, cache: list[KVCache]) -> mx.array:
+    """Run the prompt (B, L) through the model, filling the cache; return the last logits (B, V)."""
+    return model(tokens, cache)[:, -1, :]
+
+
+def decode_one_token(model: Model, token: mx.array, cache: list[KVCache]) -> mx.array:
+    """One decode step: token (B,) -> logits (B, V) for the next position."""
+    return model(token[:, None], cache)[:, -1, :]
+
+
+def generate_step(model: Model, prompt: list[int], sampler: Sampler, cache: list[KVCache],
+                  pipeline: bool = False) -> Iterator[int]:
+    """Yield token ids one at a time, forever; the caller stops it."""
+    if not prompt:
+        raise ValueError("the prompt is empty: give at least one token (e.g. BOS)")
+    y = sampler(prefill(model, mx.array([prompt]), cache))
+    mx.async_eval(y)
+    while True:
+        next_y = sampler(decode_one_token(model, y, cache))
+        if pipeline:
+            mx.async_eval(next_y)   # queue step t+1 before waiting on step t
+        yield y.item()
+        y = next_y
+
+
+@dataclass
+class Generation:
+    """The tokens, the text and the per-token timestamps of one generation."""
+    prompt_tokens: list[int]
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    start: float = 0.0                                        # perf_counter before prefill
+    token_times: list[float] = field(default_factory=list)    # perf_counter at each token
+
+    @property
+    def ttft(self) -> float:
+        """Seconds from the start to the first generated token (prefill + one sample)."""
+        return self.token_times[0] - self.start if self.token_times else float("nan")
+
+    @property
+    def inter_token_latencies(self) -> np.ndarray:
+        """Seconds between consecutive generated tokens."""
+        return np.diff(np.array(self.token_times))
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Decode throughput: tokens after the first over the time they took."""
+        itl = self.inter_token_latencies
+        return len(itl) / itl.sum() if len(itl) and itl.sum() > 0 else float("nan")
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return len(self.prompt_tokens) / self.ttft
+
+
+def generate(model: Model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: int = 64,
+             sampler: Sampler | None = None, pipeline: bool = False, stop_at_eos: bool = True,
+             on_text: Callable[[str], None] | None = None) -> Generation:
+    """Generate up to max_tokens after the prompt; stream text pieces to on_text as they form.
+
+    A str prompt is encoded with BOS first; a list is taken as token ids.
+    """
+    ids = tokenizer.encode(prompt, bos=True) if isinstance(prompt, str) else list(prompt)
+    context = model.args.max_position_embeddings
+    if len(ids) + max_tokens > context:
+        raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                         f"model's context length ({context})")
+    # the step after each yielded token is built before the yield, so token k needs len(ids)+k+1 slots
+    cache = model.make_cache(len(ids) + max_tokens)
+    out = Generation(prompt_tokens=ids, start=time.perf_counter())
+    steps = generate_step(model, ids, sampler or Sampler(), cache, pipeline)
+    for _, token in zip(range(max_tokens), steps):
+        out.token_times.append(time.perf_counter())
+        if stop_at_eos and token == tokenizer.eos_id:
+            out.token_times.pop()
+            break
+        out.tokens.append(token)
+        text = tokenizer.decode(out.tokens)
+        if not text.endswith("\ufffd"):  # hold back a character whose bytes are still incomplete
+            if on_text is not None:
+                on_text(text[len(out.text):])
+            out.text = text
+    final = tokenizer.decode(out.tokens)
+    if on_text is not None and final != out.text:
+        on_text(final[len(out.text):])
+    out.text = final
+    return out

@@ -1,0 +1,297 @@
+"""A Llama-family decoder in MLX, loaded from a GGUF file.
+
+One pass through the network, for tokens (B, L):
+
+    embed -> n_layers x [ x + Attention(RMSNorm(x)),  x + MLP(RMSNorm(x)) ] -> RMSNorm -> logits
+
+Attention is grouped-query (n_kv_heads <= n_heads key/value heads, each shared by a group of
+query heads) with rotary position embeddings; the MLP is SwiGLU. The hot operations go
+through `mx.fast` (rope, scaled_dot_product_attention, rms_norm), as mlx-lm does.
+
+Weights follow llama.cpp's conventions, so a GGUF written by llama.cpp's own converter
+loads as well as the course's model: matrices are stored (out, in), and the rows of the
+query and key projections are ordered for "normal" RoPE, which rotates *adjacent* pairs
+(x0, x1), (x2, x3), ... (`traditional=True` in `mx.fast.rope`). Llama 3's frequency
+scaling arrives as the `rope_freqs.weight` tensor and is applied here.
+
+See chapter: intro
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from . import gguf
+from .kvcache import KVCache
+from .tokenizer import Tokenizer
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int = 0                  # 0: hidden_size // num_attention_heads
+    rope_dims: int = 0                 # rotated dimensions per head; 0: head_dim
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self):
+        if self.head_dim == 0:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.rope_dims == 0:
+            self.rope_dims = self.head_dim
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                             f"of num_key_value_heads ({self.num_key_value_heads})")
+
+    @property
+    def num_parameters(self) -> int:
+        """Weights in the network (the tied embedding counted once)."""
+        d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = d * hd * (2 * self.num_attention_heads + 2 * self.num_key_value_heads)
+        block = attn + 3 * d * f + 2 * d
+        head = 0 if self.tie_word_embeddings else self.vocab_size * d
+        return self.vocab_size * d + self.num_hidden_layers * block + d + head
+
+    @classmethod
+    def from_gguf(cls, metadata: dict[str, Any], tensors: dict[str, gguf.TensorInfo]) -> ModelArgs:
+        """Read the hyper-parameters from llama-architecture GGUF metadata."""
+        arch = metadata.get("general.architecture")
+        if arch != "llama":
+            raise ValueError(f"unsupported architecture {arch!r}: this decoder reads 'llama' GGUF files")
+
+        def key(name: str, default: Any = None) -> Any:
+            value = metadata.get(f"llama.{name}", default)
+            if value is None:
+                raise ValueError(f"GGUF metadata lacks 'llama.{name}'")
+            return value
+
+        if "token_embd.weight" not in tensors:
+            raise ValueError("GGUF file has no 'token_embd.weight' tensor")
+        vocab_size = tensors["token_embd.weight"].shape[0]
+        return cls(
+            vocab_size=int(key("vocab_size", vocab_size)),
+            hidden_size=int(key("embedding_length")),
+            num_hidden_layers=int(key("block_count")),
+            intermediate_size=int(key("feed_forward_length")),
+            num_attention_heads=int(key("attention.head_count")),
+            num_key_value_heads=int(key("attention.head_count_kv", key("attention.head_count"))),
+            head_dim=int(key("attention.key_length", 0)),
+            rope_dims=int(key("rope.dimension_count", 0)),
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            max_position_embeddings=int(key("context_length")),
+            tie_word_embeddings="output.weight" not in tensors,
+        )
+
+    def gguf_metadata(self) -> dict[str, Any]:
+        """The llama-architecture metadata llama.cpp needs to load this model."""
+        return {
+            "general.architecture": "llama",
+            "llama.vocab_size": self.vocab_size,
+            "llama.context_length": self.max_position_embeddings,
+            "llama.embedding_length": self.hidden_size,
+            "llama.block_count": self.num_hidden_layers,
+            "llama.feed_forward_length": self.intermediate_size,
+            "llama.attention.head_count": self.num_attention_heads,
+            "llama.attention.head_count_kv": self.num_key_value_heads,
+            "llama.attention.key_length": self.head_dim,
+            "llama.attention.value_length": self.head_dim,
+            "llama.rope.dimension_count": self.rope_dims,
+            "llama.rope.freq_base": self.rope_theta,
+            "llama.attention.layer_norm_rms_epsilon": self.rms_norm_eps,
+        }
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        d, hd = args.hidden_size, args.head_dim
+        self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
+        self.scale = hd ** -0.5
+        self.q_proj = nn.Linear(d, self.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=False)
+        self.rope_dims, self.rope_theta = args.rope_dims, args.rope_theta
+        self._rope_freqs = None  # Llama 3 style wavelengths, set by load_model (not a parameter)
+
+    def rope(self, x: mx.array, offset: int) -> mx.array:
+        base = None if self._rope_freqs is not None else self.rope_theta
+        return mx.fast.rope(x, self.rope_dims, traditional=True, base=base, scale=1.0,
+                            offset=offset, freqs=self._rope_freqs)
+
+    def __call__(self, x: mx.array, mask=None, cache: KVCache | None = None) -> mx.array:
+        B, L, _ = x.shape
+        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)     # (B,H,L,D)
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)  # (B,Hkv,L,D)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        offset = cache.offset if cache is not None else 0
+        q, k = self.rope(q, offset), self.rope(k, offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)  # whole history: (B, Hkv, offset + L, D)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, mask=None, cache: KVCache | None = None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, tokens: mx.array, cache: list[KVCache] | None = None) -> mx.array:
+        """Logits (B, L, vocab_size) for tokens (B, L), continuing after what `cache` holds."""
+        h = self.embed_tokens(tokens)
+        # "causal" lines the mask up with the *last* L keys, so it also holds after a cache offset.
+        mask = "causal" if h.shape[1] > 1 else None
+        for i, layer in enumerate(self.layers):
+            h = layer(h, mask, cache[i] if cache is not None else None)
+        h = self.norm(h)
+        if self.args.tie_word_embeddings:
+            return self.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    def make_cache(self, max_size: int | None = None, batch: int = 1) -> list[KVCache]:
+        """One pre-allocated KV cache per layer, for up to max_size positions (default: the context length)."""
+        a = self.args
+        size = max_size or a.max_position_embeddings
+        dtype = self.embed_tokens.weight.dtype
+        return [KVCache(batch, a.num_key_value_heads, a.head_dim, size, dtype)
+                for _ in range(a.num_hidden_layers)]
+
+
+# GGUF tensor names (llama.cpp) -> this module's parameter names (Hugging Face / mlx-lm style).
+GGUF_TOP_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+GGUF_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def gguf_to_mlx_name(name: str) -> str:
+    """'blk.3.attn_q.weight' -> 'layers.3.self_attn.q_proj.weight'."""
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in GGUF_BLOCK_NAMES:
+        return f"layers.{parts[1]}.{GGUF_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in GGUF_TOP_NAMES:
+        return f"{GGUF_TOP_NAMES[parts[0]]}.{parts[1]}"
+    raise ValueError(f"unexpected tensor {name!r} in a llama GGUF file")
+
+
+def mlx_to_gguf_name(name: str) -> str:
+    """The inverse of gguf_to_mlx_name."""
+    stem, leaf = name.rsplit(".", 1)
+    if stem.startswith("layers."):
+        _, i, sub = stem.split(".", 2)
+        block = {m: g for g, m in GGUF_BLOCK_NAMES.items()}
+        if sub in block:
+            return f"blk.{i}.{block[sub]}.{leaf}"
+    top = {m: g for g, m in GGUF_TOP_NAMES.items()}
+    if stem in top:
+        return f"{top[stem]}.{leaf}"
+    raise ValueError(f"no GGUF name for parameter {name!r}")
+
+
+def _to_mlx(f: gguf.GGUFFile, name: str, dtype: mx.Dtype) -> mx.array:
+    info = f.tensors[name]
+    if info.type in (gguf.GGMLType.F32, gguf.GGMLType.F16):
+        return mx.array(f.array(name)).astype(dtype)
+    if info.type == gguf.GGMLType.BF16:
+        return mx.array(f.array(name)).view(mx.bfloat16).astype(dtype)
+    return mx.array(f.dequantize(name)).astype(dtype)
+
+
+def default_dtype() -> mx.Dtype:
+    """float32 on the CPU (MLX's CPU half-precision matmuls are slow), float16 on a GPU."""
+    return mx.float32 if mx.default_device() == mx.cpu else mx.float16
+
+
+def load_model(f: gguf.GGUFFile, dtype: mx.Dtype | None = None) -> Model:
+    """Build a Model from an open GGUF file, weights cast to dtype."""
+    args = ModelArgs.from_gguf(f.metadata, f.tensors)
+    dtype = dtype or default_dtype()
+    model = Model(args)
+    expected = dict(nn.utils.tree_flatten(model.parameters()))
+    weights = {}
+    for name, info in f.tensors.items():
+        if name == "rope_freqs.weight":
+            continue
+        mlx_name = gguf_to_mlx_name(name)
+        if mlx_name not in expected:
+            raise ValueError(f"tensor {name!r} does not belong to a {args.num_hidden_layers}-layer model")
+        if tuple(info.shape) != tuple(expected[mlx_name].shape):
+            raise ValueError(f"tensor {name!r} has shape {info.shape}, "
+                             f"the model expects {tuple(expected[mlx_name].shape)}")
+        weights[mlx_name] = _to_mlx(f, name, dtype)
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        raise ValueError(f"GGUF file lacks tensors for: {', '.join(missing[:5])}"
+                         + (" ..." if len(missing) > 5 else ""))
+    model.load_weights(list(weights.items()))
+    if "rope_freqs.weight" in f.tensors:
+        # llama.cpp divides each rotation frequency by its factor; MLX takes wavelengths.
+        factors = f.dequantize("rope_freqs.weight").astype(np.float64)
+        exponents = np.arange(0, args.rope_dims, 2) / args.rope_dims
+        freqs = mx.array((args.rope_theta ** exponents * factors).astype(np.float32))
+        for layer in model.layers:
+            layer.self_attn._rope_freqs = freqs
+    mx.eval(model.parameters())
+    return model
+
+
+def load(path: str | Path, dtype: mx.Dtype | None = None) -> tuple[Model, Tokenizer]:
+    """Load a llama-architecture GGUF file: the model and its tokenizer."""
+    with gguf.read(path) as f:
+        return load_model(f, dtype), Tokenizer.from_gguf_metadata(f.metadata)
+
+
+def save(model: Model, tokenizer: Tokenizer, path: str | Path, metadata: dict[str, Any] | None = None) -> None:
+    """Write model and tokenizer as a float32 llama GGUF file (llama.cpp loads it too)."""
+    meta = {**model.args.gguf_metadata(), "general.file_type": 0,  # 0: all F32, llama.cpp's LLAMA_FTYPE_ALL_F32
+            **(metadata or {}), **tokenizer.gguf_metadata()}
+    tensors = {mlx_to_gguf_name(k): np.array(v.astype(mx.float32))
+               for k, v in nn.utils.tree_flatten(model.parameters())}
+    gguf.write(path, meta, tensors)

@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny random llama models written as GGUF by llama.cpp's own `gguf` package."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ref_impl  # noqa: F401  (loads the optimized BLAS before anything imports mlx)
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = ROOT / "models" / "stdlib-10m.gguf"
+
+
+def write_random_llama(path: Path, vocab=97, dim=64, layers=2, heads=4, kv_heads=2, ff=96,
+                       context=64, tied=True, rope_freqs=False, seed=0) -> Path:
+    """A random llama-architecture GGUF (float32), written with the `gguf` package, not ours."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    hd = dim // heads
+
+    def mat(out, inp):
+        return (rng.standard_normal((out, inp)) / np.sqrt(inp)).astype(np.float32)
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(context)
+    w.add_embedding_length(dim)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_tensor("token_embd.weight", mat(vocab, dim) * 4)
+    if rope_freqs:
+        w.add_tensor("rope_freqs.weight", rng.uniform(1.0, 8.0, hd // 2).astype(np.float32))
+    for i in range(layers):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", rng.uniform(0.5, 1.5, dim).astype(np.float32))
+        w.add_tensor(p + "attn_q.weight", mat(heads * hd, dim))
+        w.add_tensor(p + "attn_k.weight", mat(kv_heads * hd, dim))
+        w.add_tensor(p + "attn_v.weight", mat(kv_heads * hd, dim))
+        w.add_tensor(p + "attn_output.weight", mat(dim, heads * hd))
+        w.add_tensor(p + "ffn_norm.weight", rng.uniform(0.5, 1.5, dim).astype(np.float32))
+        w.add_tensor(p + "ffn_gate.weight", mat(ff, dim))
+        w.add_tensor(p + "ffn_up.weight", mat(ff, dim))
+        w.add_tensor(p + "ffn_down.weight", mat(dim, ff))
+    w.add_tensor("output_norm.weight", rng.uniform(0.5, 1.5, dim).astype(np.float32))
+    if not tied:
+        w.add_tensor("output.weight", mat(vocab, dim))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="session")
+def random_llama(tmp_path_factory) -> Path:
+    return write_random_llama(tmp_path_factory.mktemp("models") / "random.gguf")
+
+
+@pytest.fixture(scope="session")
+def shipped_model() -> Path:
+    if not SHIPPED.is_file():
+        pytest.fail(f"the shipped model {SHIPPED} is missing: train it (python -m ref_impl train)")
+    return SHIPPED

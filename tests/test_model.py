@@ -1,0 +1,113 @@
+"""The MLX decoder against an independent numpy forward, with and without the KV cache."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from ref_impl import gguf
+from ref_impl.model import ModelArgs, gguf_to_mlx_name, load_model, mlx_to_gguf_name
+
+from conftest import write_random_llama
+from numpy_reference import forward as np_forward
+from numpy_reference import load as np_load
+
+TOKENS = [3, 17, 42, 5, 96, 0, 11, 64, 23, 8, 50, 2]
+
+
+def mlx_logits(path, tokens, dtype=mx.float32) -> np.ndarray:
+    with gguf.read(path) as f:
+        model = load_model(f, dtype)
+    return np.array(model(mx.array([tokens]))[0].astype(mx.float32))
+
+
+@pytest.mark.parametrize("variant", [
+    {}, {"kv_heads": 4}, {"kv_heads": 1}, {"tied": False}, {"rope_freqs": True}, {"layers": 3, "heads": 2},
+])
+def test_forward_matches_numpy(tmp_path, variant):
+    path = write_random_llama(tmp_path / "m.gguf", **variant)
+    ours = mlx_logits(path, TOKENS)
+    ref = np_forward(*np_load(path), TOKENS)
+    assert ours.shape == ref.shape == (len(TOKENS), 97)
+    assert np.abs(ours - ref).max() <= 1e-4
+
+
+def test_shipped_forward_matches_numpy(shipped_model):
+    with gguf.read(shipped_model) as f:
+        vocab = f.tensors["token_embd.weight"].shape[0]
+    tokens = np.random.default_rng(1).integers(0, vocab, 48).tolist()
+    ours = mlx_logits(shipped_model, tokens)
+    ref = np_forward(*np_load(shipped_model), tokens)
+    assert np.abs(ours - ref).max() <= 1e-4
+
+
+@pytest.mark.parametrize("chunks", [[12], [5, 1, 1, 1, 1, 1, 1, 1], [4, 3, 1, 4], [1] * 12])
+def test_cached_decode_equals_full_forward(random_llama, chunks):
+    """Feeding the sequence in pieces through the KV cache gives the full forward's logits."""
+    with gguf.read(random_llama) as f:
+        model = load_model(f, mx.float32)
+    full = np.array(model(mx.array([TOKENS]))[0])
+    cache = model.make_cache(len(TOKENS))
+    pieces, start = [], 0
+    for n in chunks:
+        pieces.append(np.array(model(mx.array([TOKENS[start:start + n]]), cache)[0]))
+        start += n
+    assert cache[0].offset == len(TOKENS)
+    np.testing.assert_allclose(np.concatenate(pieces), full, atol=1e-5, rtol=0)
+
+
+def test_batch_rows_are_independent(random_llama):
+    with gguf.read(random_llama) as f:
+        model = load_model(f, mx.float32)
+    a, b = TOKENS[:6], TOKENS[6:]
+    both = np.array(model(mx.array([a, b])))
+    np.testing.assert_allclose(both[0], np.array(model(mx.array([a])))[0], atol=1e-5)
+    np.testing.assert_allclose(both[1], np.array(model(mx.array([b])))[0], atol=1e-5)
+
+
+def test_float16_close_to_float32(random_llama):
+    f32 = mlx_logits(random_llama, TOKENS, mx.float32)
+    f16 = mlx_logits(random_llama, TOKENS, mx.float16)
+    assert np.abs(f16 - f32).max() < 5e-2 * max(1.0, np.abs(f32).max())
+
+
+def test_names_round_trip():
+    for name in ["token_embd.weight", "output.weight", "output_norm.weight",
+                 "blk.0.attn_q.weight", "blk.11.ffn_down.weight", "blk.3.attn_norm.weight"]:
+        assert mlx_to_gguf_name(gguf_to_mlx_name(name)) == name
+    with pytest.raises(ValueError, match="unexpected tensor"):
+        gguf_to_mlx_name("blk.0.attn_qkv.weight")
+
+
+def test_num_parameters_counts_the_weights(random_llama):
+    with gguf.read(random_llama) as f:
+        model = load_model(f, mx.float32)
+        stored = sum(int(np.prod(t.shape)) for t in f.tensors.values())
+    assert model.args.num_parameters == stored
+
+
+def test_bad_models_raise_clear_errors(tmp_path):
+    path = write_random_llama(tmp_path / "m.gguf")
+    with gguf.read(path) as f:
+        metadata, tensors = dict(f.metadata), dict(f.tensors)
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
+        ModelArgs.from_gguf({**metadata, "general.architecture": "gpt2"}, tensors)
+    with pytest.raises(ValueError, match="lacks 'llama.block_count'"):
+        ModelArgs.from_gguf({k: v for k, v in metadata.items() if k != "llama.block_count"}, tensors)
+    with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
+        ModelArgs.from_gguf({**metadata, "llama.attention.head_count_kv": 3}, tensors)
+
+
+def test_missing_or_misshapen_tensor(tmp_path):
+    # a model with 3 layers declared but 2 stored lacks tensors; a wrong feed-forward size misfits
+    path = write_random_llama(tmp_path / "m.gguf")
+    with gguf.read(path) as f:
+        metadata = dict(f.metadata)
+        tensors = {n: f.array(n).copy() for n in f.tensors}
+    for change, message in [({"llama.block_count": 3}, "lacks tensors for: layers.2"),
+                            ({"llama.feed_forward_length": 64}, "has shape")]:
+        bad = tmp_path / "bad.gguf"
+        gguf.write(bad, {**metadata, **change}, tensors)
+        with gguf.read(bad) as f, pytest.raises(ValueError, match=message):
+            load_model(f, mx.float32)
