@@ -55,7 +55,9 @@ def cmd_inspect(a: argparse.Namespace) -> None:
 def cmd_train(a: argparse.Namespace) -> None:
     from .train import config_for, train
 
-    cfg = config_for(a.preset, steps=a.steps, seed=a.seed)
+    if bool(a.stdlib) != bool(a.corpus_python):
+        raise ValueError("--stdlib and --corpus-python go together (the log records the corpus's version)")
+    cfg = config_for(a.preset, steps=a.steps, seed=a.seed, stdlib=a.stdlib, corpus_python=a.corpus_python)
     log = train(cfg, Path(a.out), progress=not a.quiet)
     print(f"wrote {Path(a.out) / log['model']['file']}: {log['model']['parameters'] / 1e6:.2f}M parameters, "
           f"held-out perplexity {log['heldout_perplexity']:.2f}, {log['seconds']['total']:.0f} s")
@@ -101,6 +103,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--out", default="models")
     t.add_argument("--steps", type=int)
     t.add_argument("--seed", type=int)
+    t.add_argument("--stdlib", help="train on another Python's Lib/ directory (default: this Python's)")
+    t.add_argument("--corpus-python", help="the version of the Python whose Lib/ --stdlib names")
     t.add_argument("--quiet", action="store_true")
     t.set_defaults(run=cmd_train)
 

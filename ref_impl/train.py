@@ -47,7 +47,7 @@ class TrainConfig:
     intermediate_size: int = 1024
     context: int = 512
     batch_size: int = 32
-    steps: int = 1500
+    steps: int = 3000
     learning_rate: float = 1e-3
     warmup_steps: int = 200
     weight_decay: float = 0.1
@@ -57,6 +57,8 @@ class TrainConfig:
     heldout_percent: int = 5            # files never seen in training: the reported perplexity
     valid_percent: int = 3              # files that choose the checkpoint (the best of the evaluations)
     max_corpus_bytes: int = 0           # 0: the whole standard library
+    stdlib: str = ""                    # another Python's Lib/ directory; "": this interpreter's
+    corpus_python: str = ""             # the version of that Python (recorded in the log)
     seed: int = 0
 
     def model_args(self) -> ModelArgs:
@@ -73,7 +75,7 @@ PRESETS = {
     # the draft model for speculative decoding: same corpus and vocabulary (so the same tokenizer)
     "stdlib-draft-1m": TrainConfig(name="stdlib-draft-1m", hidden_size=128, num_hidden_layers=4,
                                    num_attention_heads=4, num_key_value_heads=2, intermediate_size=384,
-                                   steps=3000, learning_rate=2e-3),
+                                   learning_rate=2e-3),
     # a few seconds on a CPU: proves the whole path (CI trains this one)
     "micro": TrainConfig(name="micro", vocab_size=384, hidden_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
@@ -82,9 +84,9 @@ PRESETS = {
 }
 
 
-def stdlib_files() -> tuple[Path, list[Path]]:
+def stdlib_files(stdlib: str = "") -> tuple[Path, list[Path]]:
     """The standard library's directory and its .py files, in a fixed order (no site-packages)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+    root = Path(stdlib or sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.rglob("*.py")
                    if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts))
     if not files:
@@ -100,9 +102,11 @@ def split_of(relative_path: str, cfg: TrainConfig) -> str:
     return "valid" if bucket < cfg.heldout_percent + cfg.valid_percent else "train"
 
 
-def read_corpus(cfg: TrainConfig) -> dict[str, list[str]]:
-    """The train, valid and held-out texts: every readable UTF-8 .py file (within max_corpus_bytes)."""
-    root, files = stdlib_files()
+def read_corpus(cfg: TrainConfig) -> tuple[dict[str, list[str]], str]:
+    """The train, valid and held-out texts (every readable UTF-8 .py file, within max_corpus_bytes)
+    and a sha256 fingerprint of the files used, for reproducing the corpus elsewhere."""
+    root, files = stdlib_files(cfg.stdlib)
+    digest = hashlib.sha256()
     split: dict[str, list[str]] = {"train": [], "valid": [], "heldout": []}
     share = {"train": 100 - cfg.heldout_percent - cfg.valid_percent,
              "valid": cfg.valid_percent, "heldout": cfg.heldout_percent}
@@ -112,12 +116,14 @@ def read_corpus(cfg: TrainConfig) -> dict[str, list[str]]:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue  # a few test files are deliberately not UTF-8
-        part = split_of(path.relative_to(root).as_posix(), cfg)
+        name = path.relative_to(root).as_posix()
+        part = split_of(name, cfg)
         if cfg.max_corpus_bytes and size[part] + len(text) > cfg.max_corpus_bytes * share[part] // 100:
             continue
         split[part].append(text)
         size[part] += len(text)
-    return split
+        digest.update(f"{name}\0{text}\0".encode())
+    return split, digest.hexdigest()
 
 
 def token_stream(tokenizer: Tokenizer, texts: list[str]) -> np.ndarray:
@@ -167,7 +173,7 @@ def train(cfg: TrainConfig, out_dir: Path, progress: bool = True) -> dict:
     """
     t0 = time.perf_counter()
     mx.random.seed(cfg.seed)
-    corpus = read_corpus(cfg)
+    corpus, fingerprint = read_corpus(cfg)
     tokenizer = train_tokenizer(corpus["train"], cfg.vocab_size)
     ids = {part: token_stream(tokenizer, texts) for part, texts in corpus.items()}
     t_data = time.perf_counter() - t0
@@ -214,7 +220,7 @@ def train(cfg: TrainConfig, out_dir: Path, progress: bool = True) -> dict:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     gguf_path = out_dir / f"{cfg.name}.gguf"
-    python = platform.python_version()
+    python = cfg.corpus_python or platform.python_version()
     save(model, tokenizer, gguf_path, {
         "general.name": cfg.name,
         "general.description": f"Llama-style decoder trained on the Python {python} standard library"})
@@ -224,8 +230,8 @@ def train(cfg: TrainConfig, out_dir: Path, progress: bool = True) -> dict:
         "config": asdict(cfg),
         "model": {"parameters": args.num_parameters, "args": asdict(args), "file": gguf_path.name,
                   "file_bytes": gguf_path.stat().st_size},
-        "corpus": {"python": python, "implementation": platform.python_implementation(),
-                   "stdlib": sysconfig.get_paths()["stdlib"],
+        "corpus": {"python": python, "stdlib": cfg.stdlib or sysconfig.get_paths()["stdlib"],
+                   "sha256": fingerprint,
                    "files": {k: len(v) for k, v in corpus.items()},
                    "characters": {k: sum(map(len, v)) for k, v in corpus.items()},
                    "tokens": {k: int(len(v)) for k, v in ids.items()},
@@ -242,7 +248,8 @@ def train(cfg: TrainConfig, out_dir: Path, progress: bool = True) -> dict:
                     "median_step": float(np.median(step_times)),
                     "total": round(time.perf_counter() - t0, 2)},
         "machine": machine_info(),
-        "command": f"python -m ref_impl train --preset {cfg.name} --steps {cfg.steps} --seed {cfg.seed}",
+        "command": f"python -m ref_impl train --preset {cfg.name} --steps {cfg.steps} --seed {cfg.seed}"
+                   + (f" --stdlib {cfg.stdlib} --corpus-python {python}" if cfg.stdlib else ""),
     }
     (out_dir / f"{cfg.name}.train.json").write_text(json.dumps(log, indent=1) + "\n")
     return log
