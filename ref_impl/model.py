@@ -41,17 +41,18 @@ class ModelArgs:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int = 0                  # 0: hidden_size // num_attention_heads
-    rope_dims: int = 0                 # rotated dimensions per head; 0: head_dim
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = True
+    rope_freq_factors: tuple[float, ...] | None = None   # Llama 3 scaling: one divisor per frequency
 
     def __post_init__(self):
         if self.head_dim == 0:
             self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.rope_dims == 0:
-            self.rope_dims = self.head_dim
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ValueError(f"rope_freqs has {len(self.rope_freq_factors)} factors, "
+                             f"a head of {self.head_dim} needs {self.head_dim // 2}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
                              f"of num_key_value_heads ({self.num_key_value_heads})")
@@ -66,7 +67,8 @@ class ModelArgs:
         return self.vocab_size * d + self.num_hidden_layers * block + d + head
 
     @classmethod
-    def from_gguf(cls, metadata: dict[str, Any], tensors: dict[str, gguf.TensorInfo]) -> ModelArgs:
+    def from_gguf(cls, metadata: dict[str, Any], tensors: dict[str, gguf.TensorInfo],
+                  rope_freq_factors: tuple[float, ...] | None = None) -> ModelArgs:
         """Read the hyper-parameters from llama-architecture GGUF metadata."""
         arch = metadata.get("general.architecture")
         if arch != "llama":
@@ -81,7 +83,7 @@ class ModelArgs:
         if "token_embd.weight" not in tensors:
             raise ValueError("GGUF file has no 'token_embd.weight' tensor")
         vocab_size = tensors["token_embd.weight"].shape[0]
-        return cls(
+        args = cls(
             vocab_size=int(key("vocab_size", vocab_size)),
             hidden_size=int(key("embedding_length")),
             num_hidden_layers=int(key("block_count")),
@@ -89,12 +91,17 @@ class ModelArgs:
             num_attention_heads=int(key("attention.head_count")),
             num_key_value_heads=int(key("attention.head_count_kv", key("attention.head_count"))),
             head_dim=int(key("attention.key_length", 0)),
-            rope_dims=int(key("rope.dimension_count", 0)),
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(key("rope.freq_base", 10000.0)),
             max_position_embeddings=int(key("context_length")),
             tie_word_embeddings="output.weight" not in tensors,
+            rope_freq_factors=rope_freq_factors,
         )
+        # llama.cpp's llama architecture rotates whole heads; so does this decoder
+        if int(key("rope.dimension_count", args.head_dim)) != args.head_dim:
+            raise ValueError(f"llama.rope.dimension_count ({metadata['llama.rope.dimension_count']}) "
+                             f"must equal the head dimension ({args.head_dim})")
+        return args
 
     def gguf_metadata(self) -> dict[str, Any]:
         """The llama-architecture metadata llama.cpp needs to load this model."""
@@ -109,7 +116,7 @@ class ModelArgs:
             "llama.attention.head_count_kv": self.num_key_value_heads,
             "llama.attention.key_length": self.head_dim,
             "llama.attention.value_length": self.head_dim,
-            "llama.rope.dimension_count": self.rope_dims,
+            "llama.rope.dimension_count": self.head_dim,
             "llama.rope.freq_base": self.rope_theta,
             "llama.attention.layer_norm_rms_epsilon": self.rms_norm_eps,
         }
@@ -125,12 +132,17 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(self.n_heads * hd, d, bias=False)
-        self.rope_dims, self.rope_theta = args.rope_dims, args.rope_theta
-        self._rope_freqs = None  # Llama 3 style wavelengths, set by load_model (not a parameter)
+        self.head_dim, self.rope_theta = hd, args.rope_theta
+        self._rope_freqs = None  # wavelengths; the underscore keeps them out of the parameters
+        if args.rope_freq_factors is not None:
+            # llama.cpp divides each rotation frequency by its factor; MLX takes wavelengths
+            exponents = np.arange(0, hd, 2) / hd
+            self._rope_freqs = mx.array(args.rope_theta ** exponents * np.array(args.rope_freq_factors),
+                                        dtype=mx.float32)
 
     def rope(self, x: mx.array, offset: int) -> mx.array:
         base = None if self._rope_freqs is not None else self.rope_theta
-        return mx.fast.rope(x, self.rope_dims, traditional=True, base=base, scale=1.0,
+        return mx.fast.rope(x, self.head_dim, traditional=True, base=base, scale=1.0,
                             offset=offset, freqs=self._rope_freqs)
 
     def __call__(self, x: mx.array, mask=None, cache: KVCache | None = None) -> mx.array:
@@ -251,7 +263,10 @@ def default_dtype() -> mx.Dtype:
 
 def load_model(f: gguf.GGUFFile, dtype: mx.Dtype | None = None) -> Model:
     """Build a Model from an open GGUF file, weights cast to dtype."""
-    args = ModelArgs.from_gguf(f.metadata, f.tensors)
+    factors = None
+    if "rope_freqs.weight" in f.tensors:
+        factors = tuple(f.dequantize("rope_freqs.weight").astype(float).tolist())
+    args = ModelArgs.from_gguf(f.metadata, f.tensors, factors)
     dtype = dtype or default_dtype()
     model = Model(args)
     expected = dict(nn.utils.tree_flatten(model.parameters()))
@@ -271,13 +286,6 @@ def load_model(f: gguf.GGUFFile, dtype: mx.Dtype | None = None) -> Model:
         raise ValueError(f"GGUF file lacks tensors for: {', '.join(missing[:5])}"
                          + (" ..." if len(missing) > 5 else ""))
     model.load_weights(list(weights.items()))
-    if "rope_freqs.weight" in f.tensors:
-        # llama.cpp divides each rotation frequency by its factor; MLX takes wavelengths.
-        factors = f.dequantize("rope_freqs.weight").astype(np.float64)
-        exponents = np.arange(0, args.rope_dims, 2) / args.rope_dims
-        freqs = mx.array((args.rope_theta ** exponents * factors).astype(np.float32))
-        for layer in model.layers:
-            layer.self_attn._rope_freqs = freqs
     mx.eval(model.parameters())
     return model
 
@@ -290,8 +298,13 @@ def load(path: str | Path, dtype: mx.Dtype | None = None) -> tuple[Model, Tokeni
 
 def save(model: Model, tokenizer: Tokenizer, path: str | Path, metadata: dict[str, Any] | None = None) -> None:
     """Write model and tokenizer as a float32 llama GGUF file (llama.cpp loads it too)."""
+    if tokenizer.vocab_size != model.args.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model "
+                         f"{model.args.vocab_size}")
     meta = {**model.args.gguf_metadata(), "general.file_type": 0,  # 0: all F32, llama.cpp's LLAMA_FTYPE_ALL_F32
             **(metadata or {}), **tokenizer.gguf_metadata()}
     tensors = {mlx_to_gguf_name(k): np.array(v.astype(mx.float32))
                for k, v in nn.utils.tree_flatten(model.parameters())}
+    if model.args.rope_freq_factors is not None:
+        tensors["rope_freqs.weight"] = np.array(model.args.rope_freq_factors, dtype=np.float32)
     gguf.write(path, meta, tensors)

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from ref_impl import gguf
-from ref_impl.model import ModelArgs, gguf_to_mlx_name, load_model, mlx_to_gguf_name
+from ref_impl.model import ModelArgs, gguf_to_mlx_name, load, load_model, mlx_to_gguf_name, save
+from ref_impl.tokenizer import train_tokenizer
 
 from conftest import write_random_llama
 from numpy_reference import forward as np_forward
@@ -97,6 +98,28 @@ def test_bad_models_raise_clear_errors(tmp_path):
         ModelArgs.from_gguf({k: v for k, v in metadata.items() if k != "llama.block_count"}, tensors)
     with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
         ModelArgs.from_gguf({**metadata, "llama.attention.head_count_kv": 3}, tensors)
+    with pytest.raises(ValueError, match="must equal the head dimension"):
+        ModelArgs.from_gguf({**metadata, "llama.rope.dimension_count": 8}, tensors)
+    with pytest.raises(ValueError, match="rope_freqs has 3 factors, a head of 16 needs 8"):
+        ModelArgs.from_gguf(metadata, tensors, (1.0, 2.0, 3.0))
+
+
+def test_save_round_trips_the_model(tmp_path):
+    """save() writes every parameter and the rope factors; load() gives back the same logits."""
+    path = write_random_llama(tmp_path / "m.gguf", rope_freqs=True, tied=False)
+    with gguf.read(path) as f:
+        model = load_model(f, mx.float32)
+    tok = train_tokenizer(["def f(x):\n    return x\n"] * 4, vocab_size=257)
+    with pytest.raises(ValueError, match="the tokenizer has 257 tokens, the model 97"):
+        save(model, tok, tmp_path / "bad.gguf")
+    tok = train_tokenizer(["def f(x):\n    return x + 1\n" * 50], vocab_size=297)
+    big = load_model(gguf.read(write_random_llama(tmp_path / "v.gguf", vocab=tok.vocab_size,
+                                                  rope_freqs=True, tied=False)), mx.float32)
+    save(big, tok, tmp_path / "saved.gguf")
+    again, tok2 = load(tmp_path / "saved.gguf", mx.float32)
+    assert again.args == big.args and tok2.tokens == tok.tokens
+    x = mx.array([TOKENS])
+    assert np.array_equal(np.array(again(x)), np.array(big(x)))
 
 
 def test_missing_or_misshapen_tensor(tmp_path):
