@@ -25,13 +25,14 @@ def cmd_generate(a: argparse.Namespace) -> None:
     from .generate import Sampler, generate
     from .model import load
 
+    sampler = Sampler(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed)  # checks before loading
     model, tokenizer = load(a.model, {"float32": mx.float32, "float16": mx.float16,
                                       "bfloat16": mx.bfloat16, None: None}[a.dtype])
-    sampler = Sampler(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
     sys.stdout.write(a.prompt)
     g = generate(model, tokenizer, a.prompt, a.max_tokens, sampler, pipeline=not a.sync,
                  on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    print(f"\n\n[{len(g.prompt_tokens)} prompt tokens, {len(g.tokens)} generated] "
+    print(flush=True)
+    print(f"[{len(g.prompt_tokens)} prompt tokens, {len(g.tokens)} generated] "
           f"TTFT {g.ttft * 1e3:.1f} ms, decode {g.decode_tokens_per_s:.1f} tok/s", file=sys.stderr)
 
 
@@ -39,15 +40,20 @@ def cmd_inspect(a: argparse.Namespace) -> None:
     with gguf.read(a.path) as f:
         print(f"GGUF v{f.version}: {len(f.metadata)} metadata keys, {len(f.tensors)} tensors, "
               f"alignment {f.alignment}, data at offset {f.data_offset}")
+        kw = max((len(k) for k in f.metadata), default=0)
         for key, value in f.metadata.items():
             text = repr(value)
             if isinstance(value, (list, tuple)) or hasattr(value, "shape"):
                 head = ", ".join(repr(v) for v in list(value[:4]))
                 text = f"[{head}{', ...' if len(value) > 4 else ''}] ({len(value)} items)"
-            print(f"  {key:<44} {f.metadata_types[key].name:<8} {text[:100]}")
-        print(f"\n  {'tensor':<32} {'type':<6} {'shape':<16} {'offset':>12} {'bytes':>12}")
-        for t in f.tensors.values():
-            print(f"  {t.name:<32} {t.type.name:<6} {str(t.shape):<16} {t.offset:>12} {t.nbytes:>12}")
+            print(f"  {key:<{kw}}  {f.metadata_types[key].name:<7}  {text[:100]}")
+        rows = [(t.name, t.type.name, str(t.shape), str(t.offset), str(t.nbytes))
+                for t in f.tensors.values()]
+        head = ("tensor", "type", "shape", "offset", "bytes")
+        w = [max(len(r[i]) for r in [head, *rows]) for i in range(5)]
+        print()
+        for r in [head, *rows]:
+            print(f"  {r[0]:<{w[0]}}  {r[1]:<{w[1]}}  {r[2]:<{w[2]}}  {r[3]:>{w[3]}}  {r[4]:>{w[4]}}")
         total = sum(t.nbytes for t in f.tensors.values())
         print(f"\n  {len(f.tensors)} tensors, {total / 1e6:.2f} MB of tensor data")
 
@@ -66,8 +72,6 @@ def cmd_train(a: argparse.Namespace) -> None:
 def cmd_bench(a: argparse.Namespace) -> None:
     from .bench import bench_decode, write_results
 
-    if not Path(a.model).is_file():
-        raise gguf.GGUFError(f"no such file: {a.model}")
     records = bench_decode(Path(a.model), a.prompt_len, a.gen_tokens, a.repeats, peers=not a.no_peers)
     path = write_results(records, Path(a.out), "python -m ref_impl " + shlex.join(sys.argv[1:]), a.label)
     for r in records:
@@ -124,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     try:
         a.run(a)
-    except (gguf.GGUFError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, OSError, RuntimeError, KeyError) as e:  # gguf.GGUFError is a ValueError
+        message = f"missing {e}" if type(e) is KeyError else str(e) or type(e).__name__
+        print("error: " + " ".join(message.split()), file=sys.stderr)  # one line, whatever the message
         return 2
     except KeyboardInterrupt:
         return 130

@@ -32,7 +32,7 @@ import numpy as np
 
 from . import blas, gguf
 from .generate import Sampler, generate_step
-from .model import gguf_to_mlx_name, load_model
+from .model import ModelArgs, load_model
 
 
 def _cpu_model() -> str:
@@ -161,10 +161,17 @@ def llama_cpp_peer(path: Path, prompt: list[int], n: int, repeats: int) -> list:
 def bench_decode(path: Path, prompt_len: int = 128, gen_tokens: int = 128, repeats: int = 3,
                  peers: bool = True, seed: int = 0) -> list[dict]:
     """Decode records for our decoder (sync and pipelined) and, if asked, mlx-lm and llama.cpp."""
+    if prompt_len < 1 or gen_tokens < 2 or repeats < 1:
+        raise ValueError(f"bench needs prompt_len >= 1, gen_tokens >= 2 (a decode speed takes two "
+                         f"token times) and repeats >= 1; got {prompt_len}, {gen_tokens}, {repeats}")
     with gguf.read(path) as f:
-        vocab = f.tensors["token_embd.weight"].shape[0]
-        weights = gguf.GGMLType(f.tensors["blk.0.attn_q.weight"].type).name
+        args = ModelArgs.from_gguf(f.metadata, f.tensors)   # a llama file, or a clear error
+        weights = f.tensors.get("blk.0.attn_q.weight", f.tensors["token_embd.weight"]).type.name
         name = f.metadata.get("general.name", path.stem)
+    if prompt_len + gen_tokens > args.max_position_embeddings:
+        raise ValueError(f"prompt_len {prompt_len} + gen_tokens {gen_tokens} exceeds the model's "
+                         f"context length ({args.max_position_embeddings})")
+    vocab = args.vocab_size
     prompt = np.random.default_rng(seed).integers(1, vocab, size=prompt_len).tolist()
     runs = {("ours", "sync"): ours(path, prompt, gen_tokens, repeats, pipeline=False),
             ("ours", "async_eval"): ours(path, prompt, gen_tokens, repeats, pipeline=True)}

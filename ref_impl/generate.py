@@ -38,9 +38,12 @@ class Sampler:
     seed: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0 or self.top_k < 0 or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"invalid sampling settings: temperature={self.temperature} (>= 0), "
-                             f"top_k={self.top_k} (>= 0), top_p={self.top_p} (in (0, 1])")
+        bad = [f"{name}={value} (must be {rule})" for name, value, rule, ok in [
+            ("temperature", self.temperature, ">= 0", self.temperature >= 0),
+            ("top_k", self.top_k, ">= 0", self.top_k >= 0),
+            ("top_p", self.top_p, "in (0, 1]", 0.0 < self.top_p <= 1.0)] if not ok]
+        if bad:
+            raise ValueError("invalid sampling settings: " + ", ".join(bad))
         self._key = mx.random.key(self.seed)
 
     def __call__(self, logits: mx.array) -> mx.array:
@@ -127,6 +130,8 @@ def generate(model: Model, tokenizer: Tokenizer, prompt: str | list[int], max_to
 
     A str prompt is encoded with BOS first; a list is taken as token ids.
     """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     ids = tokenizer.encode(prompt, bos=True) if isinstance(prompt, str) else list(prompt)
     context = model.args.max_position_embeddings
     if len(ids) + max_tokens > context:

@@ -90,7 +90,7 @@ def stdlib_files(stdlib: str = "") -> tuple[Path, list[Path]]:
     files = sorted(p for p in root.rglob("*.py")
                    if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts))
     if not files:
-        raise RuntimeError(f"no .py files under {root}: is the standard library's source installed?")
+        raise ValueError(f"no .py files under {root}: is the standard library's source installed?")
     return root, files
 
 
@@ -171,6 +171,9 @@ def train(cfg: TrainConfig, out_dir: Path, progress: bool = True) -> dict:
     The model is evaluated on the valid files every eval_every steps and the best evaluation's
     weights are kept; the held-out files are scored once, at the end.
     """
+    if cfg.steps < 1:
+        raise ValueError(f"steps must be at least 1, got {cfg.steps}")
+    out_dir.mkdir(parents=True, exist_ok=True)  # fail on a bad path before, not after, training
     t0 = time.perf_counter()
     mx.random.seed(cfg.seed)
     corpus, fingerprint = read_corpus(cfg)
@@ -212,13 +215,13 @@ def train(cfg: TrainConfig, out_dir: Path, progress: bool = True) -> dict:
             v = mean_loss(model, ids["valid"], cfg.context, cfg.eval_tokens)
             evals.append({"step": it, "train_loss": float(np.mean(losses[-cfg.eval_every:])),
                           "valid_loss": v, "valid_perplexity": math.exp(v)})
-            tqdm.write(f"step {it}: train loss {evals[-1]['train_loss']:.3f}, valid ppl {math.exp(v):.2f}")
+            if progress:
+                tqdm.write(f"step {it}: train loss {evals[-1]['train_loss']:.3f}, valid ppl {math.exp(v):.2f}")
             if v < best[0]:
                 best = (v, it, [(k, mx.array(w)) for k, w in nn.utils.tree_flatten(model.parameters())])
     model.load_weights(best[2])
     heldout = mean_loss(model, ids["heldout"], cfg.context)
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     gguf_path = out_dir / f"{cfg.name}.gguf"
     python = cfg.corpus_python or platform.python_version()
     save(model, tokenizer, gguf_path, {

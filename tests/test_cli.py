@@ -1,0 +1,197 @@
+"""The CLI on good and bad input: `python -m ref_impl generate|inspect|train|bench`, run as a subprocess.
+
+Good input: each subcommand does its job and prints what it promises. Bad input (a missing,
+malformed, truncated or non-llama file, an impossible setting): a non-zero exit and exactly one
+line on stderr, starting with "error:" and naming the problem; never a traceback.
+No assertion depends on how fast anything runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ref_impl import gguf
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "models/stdlib-10m.gguf"   # relative to ROOT, the CLI's working directory
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ref_impl", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def generate(*args: str) -> subprocess.CompletedProcess:
+    return cli("generate", "--model", MODEL, "--prompt", "def ", *args)
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cli")
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp) -> dict[str, Path]:
+    """Files the CLI must refuse: not GGUF, truncated GGUF, GGUF of another architecture."""
+    text = tmp / "notes.txt"
+    text.write_text("hello, this is not a model\n")
+    truncated = tmp / "truncated.gguf"
+    truncated.write_bytes((ROOT / MODEL).read_bytes()[:1000])
+    gpt2 = tmp / "gpt2.gguf"
+    gguf.write(gpt2, {"general.architecture": "gpt2"}, {"wte.weight": np.zeros((8, 4), np.float32)})
+    return {"text": text, "truncated": truncated, "gpt2": gpt2}
+
+
+# ---- good input -------------------------------------------------------------------------------
+
+def test_generate_greedy():
+    r = generate("--max-tokens", "16")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("def ") and len(r.stdout.strip()) > len("def")
+    assert re.search(r"TTFT [\d.]+ ms", r.stderr) and re.search(r"[\d.]+ tok/s", r.stderr)
+    assert "Traceback" not in r.stderr
+
+
+def test_generate_sampled_is_deterministic_per_seed():
+    sample = ("--max-tokens", "32", "--temp", "0.8", "--top-p", "0.9", "--seed")
+    first, again = generate(*sample, "1"), generate(*sample, "1")
+    assert first.returncode == again.returncode == 0, first.stderr
+    assert first.stdout == again.stdout
+    # one other seed could, rarely, draw the same 32 tokens; all three can't, in practice
+    others = {generate(*sample, seed).stdout for seed in ("2", "3", "4")}
+    assert others - {first.stdout}
+
+
+@pytest.fixture(scope="module")
+def inspected():
+    r = cli("inspect", MODEL)
+    assert r.returncode == 0, r.stderr
+    with gguf.read(ROOT / MODEL) as f:
+        yield r.stdout, f
+
+
+def test_inspect_metadata(inspected):
+    out, f = inspected
+    assert out.splitlines()[0].startswith(f"GGUF v{f.version}: {len(f.metadata)} metadata keys, "
+                                          f"{len(f.tensors)} tensors, alignment {f.alignment}")
+    for key in ("general.architecture", "llama.block_count", "llama.context_length", "tokenizer.ggml.tokens"):
+        assert re.search(rf"^\s+{re.escape(key)}\s", out, re.M), key
+    tokens = next(line for line in out.splitlines() if "tokenizer.ggml.tokens" in line)
+    assert f"({len(f.metadata['tokenizer.ggml.tokens'])} items)" in tokens and len(tokens) < 200  # abbreviated
+
+
+def test_inspect_tensor_table(inspected):
+    out, f = inspected
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:1] == ["tensor"])
+    assert lines[header].split() == ["tensor", "type", "shape", "offset", "bytes"]
+    rows = lines[header + 1:header + 1 + len(f.tensors)]
+    for row, t in zip(rows, f.tensors.values(), strict=True):
+        m = re.fullmatch(r"\s+(\S+)\s+(\S+)\s+(\(.*?\))\s+(\d+)\s+(\d+)", row)
+        assert m, row
+        name, type_, shape, offset, nbytes = m.groups()
+        assert (name, type_, shape) == (t.name, "F32", str(t.shape))
+        assert int(offset) == t.offset and int(nbytes) == t.nbytes
+        assert int(offset) % f.alignment == 0
+    assert len({len(line) for line in [lines[header], *rows]}) == 1  # an aligned table: one width
+
+
+@pytest.fixture(scope="module")
+def trained(tmp) -> Path:
+    out = tmp / "train"
+    r = cli("train", "--preset", "micro", "--out", out, "--quiet", timeout=300)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_train_micro(trained):
+    assert (trained / "micro.gguf").is_file()
+    log = json.loads((trained / "micro.train.json").read_text())
+    losses = [loss for _, loss in log["loss_curve"]]
+    assert len(losses) >= 20 and np.mean(losses[:10]) > np.mean(losses[-10:])
+    r = cli("inspect", trained / "micro.gguf")  # and what it wrote is a GGUF file the CLI reads back
+    assert r.returncode == 0 and "general.architecture" in r.stdout, r.stderr
+
+
+def test_bench_writes_results(tmp):
+    out = tmp / "bench"
+    r = cli("bench", "--no-peers", "--repeats", "1", "--gen-tokens", "8", "--prompt-len", "8",
+            "--out", out, "--model", MODEL)
+    assert r.returncode == 0, r.stderr
+    (path,) = out.glob("*.json")
+    doc = json.loads(path.read_text())
+    assert {"schema", "date", "git", "command", "machine", "records"} <= doc.keys()
+    assert {"label", "cpu", "cores", "gpu", "backend", "mlx", "python", "blas"} <= doc["machine"].keys()
+    assert doc["records"] and all(r["peer"] is None for r in doc["records"])
+    for rec in doc["records"]:
+        assert {"experiment", "model", "weights", "kv", "context", "metric", "unit", "value",
+                "samples", "peer"} <= rec.keys()
+        assert math.isfinite(rec["value"]) and rec["value"] > 0, rec
+        assert all(math.isfinite(s) and s > 0 for s in rec["samples"]), rec
+    assert {"tokens_per_s", "ttft_ms"} <= {rec["metric"] for rec in doc["records"]}
+
+
+# ---- bad input: one "error:" line naming the problem, non-zero exit, no traceback -------------
+
+BAD = [  # (id, arguments, a word the message must contain); "{text}" etc. name files in bad_files
+    ("generate-missing", ["generate", "--model", "nope.gguf", "--prompt", "x"], "no such file"),
+    ("inspect-missing", ["inspect", "nope.gguf"], "no such file"),
+    ("bench-missing", ["bench", "--model", "nope.gguf", "--no-peers"], "no such file"),
+    ("inspect-directory", ["inspect", "models"], "not a file"),
+    ("generate-not-gguf", ["generate", "--model", "{text}", "--prompt", "x"], "not a GGUF file"),
+    ("inspect-not-gguf", ["inspect", "{text}"], "not a GGUF file"),
+    ("generate-truncated", ["generate", "--model", "{truncated}", "--prompt", "x"], "truncated"),
+    ("inspect-truncated", ["inspect", "{truncated}"], "truncated"),
+    ("generate-not-llama", ["generate", "--model", "{gpt2}", "--prompt", "x"], "architecture"),
+    ("bench-not-llama", ["bench", "--model", "{gpt2}", "--no-peers"], "architecture"),
+    ("temp-negative", ["generate", "--model", MODEL, "--prompt", "x", "--temp", "-1"], "temperature"),
+    ("top-p-zero", ["generate", "--model", MODEL, "--prompt", "x", "--top-p", "0"], "top_p"),
+    ("top-p-above-one", ["generate", "--model", MODEL, "--prompt", "x", "--top-p", "1.5"], "top_p"),
+    ("max-tokens-past-context", ["generate", "--model", MODEL, "--prompt", "x", "--max-tokens", "10000"],
+     "context length"),
+    ("max-tokens-negative", ["generate", "--model", MODEL, "--prompt", "x", "--max-tokens", "-3"],
+     "max_tokens"),
+    ("bench-past-context", ["bench", "--model", MODEL, "--no-peers", "--gen-tokens", "10000"], "context length"),
+    ("bench-one-token", ["bench", "--model", MODEL, "--no-peers", "--gen-tokens", "1"], "gen_tokens >= 2"),
+    ("train-unknown-preset", ["train", "--preset", "nope", "--out", "{tmp}"], "unknown preset"),
+    ("train-stdlib-alone", ["train", "--preset", "micro", "--stdlib", "{tmp}", "--out", "{tmp}"],
+     "--corpus-python"),
+    ("train-empty-stdlib", ["train", "--preset", "micro", "--stdlib", "{tmp}/no-stdlib", "--corpus-python", "3.11",
+                            "--out", "{tmp}"], "no .py files"),
+    ("train-zero-steps", ["train", "--preset", "micro", "--steps", "0", "--out", "{tmp}"], "steps must be at least 1"),
+    ("train-out-is-a-file", ["train", "--preset", "micro", "--out", "{text}"], "exists"),
+]
+
+
+@pytest.mark.parametrize("args, word", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_input(args, word, tmp, bad_files):
+    r = cli(*(a.format(tmp=tmp, **bad_files) for a in args), timeout=60)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr + r.stdout
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+    assert word.lower() in lines[0].lower(), lines[0]
+
+
+def test_inspect_reads_any_architecture(bad_files):
+    r = cli("inspect", bad_files["gpt2"])  # inspect is about the file format, not the model
+    assert r.returncode == 0, r.stderr
+    assert "'gpt2'" in r.stdout and "wte.weight" in r.stdout
+
+
+@pytest.mark.parametrize("args", [["frobnicate"], [], ["generate", "--prompt", "x"], ["bench", "--repeats", "many"]],
+                         ids=["unknown-command", "no-command", "missing-option", "not-a-number"])
+def test_usage_errors_exit_2(args):
+    r = cli(*args)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert r.stderr.startswith("usage:") and r.stderr.splitlines()[-1].startswith("python -m ref_impl")
+    assert "error:" in r.stderr.splitlines()[-1]
