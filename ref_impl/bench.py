@@ -29,6 +29,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 from . import blas, gguf
 from .generate import Sampler, generate_step
@@ -79,19 +80,20 @@ def _package_version(name: str) -> str:
         return "unknown"
 
 
-def _time_tokens(tokens: Iterator, n: int) -> tuple[float, list[float]]:
-    """Pull n tokens from a started generator; return (start, per-token timestamps)."""
+def _time_tokens(tokens: Iterator, n: int) -> tuple[float, list[float], list[int]]:
+    """Pull n tokens from a started generator; return (start, per-token timestamps, token ids)."""
     start = time.perf_counter()
-    times = []
-    for _, _token in zip(range(n), tokens):
+    times, ids = [], []
+    for _, token in zip(range(n), tokens):
         times.append(time.perf_counter())
-    return start, times
+        ids.append(int(token))
+    return start, times, ids
 
 
 def _summarize(runs: list[tuple[float, list[float]]], prompt_len: int) -> dict[str, tuple[float, list]]:
     """TTFT, prefill and decode throughput, ITL percentiles over repeated runs (medians of runs)."""
-    ttft = [t[0] - s for s, t in runs]
-    itl = [np.diff(t) for _, t in runs]
+    ttft = [t[0] - s for s, t, _ in runs]
+    itl = [np.diff(t) for _, t, _ in runs]
     tps = [len(d) / d.sum() for d in itl]
     all_itl = np.concatenate(itl) * 1e3
     return {
@@ -133,7 +135,6 @@ def mlx_lm_peer(path: Path, prompt: list[int], n: int, repeats: int) -> list:
         num_key_value_heads=a.num_key_value_heads, head_dim=a.head_dim, rms_norm_eps=a.rms_norm_eps,
         vocab_size=a.vocab_size, rope_theta=a.rope_theta, rope_traditional=True,
         max_position_embeddings=a.max_position_embeddings, tie_word_embeddings=a.tie_word_embeddings))
-    from mlx.utils import tree_flatten
     weights = [(("" if k.startswith("lm_head") else "model.") + k, v)
                for k, v in tree_flatten(ours_model.parameters())]
     model.load_weights(weights)
@@ -154,7 +155,8 @@ def llama_cpp_peer(path: Path, prompt: list[int], n: int, repeats: int) -> list:
 
     def stream():
         llm.reset()
-        return llm.generate(prompt, top_k=1, temp=0.0, reset=True)
+        return llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, frequency_penalty=0.0,
+                            presence_penalty=0.0, reset=True)
     return _repeat(stream, n, repeats)
 
 
@@ -179,10 +181,14 @@ def bench_decode(path: Path, prompt_len: int = 128, gen_tokens: int = 128, repea
         runs[("mlx-lm " + _package_version("mlx-lm"), "default")] = mlx_lm_peer(path, prompt, gen_tokens, repeats)
         runs[("llama.cpp (llama-cpp-python " + _package_version("llama_cpp_python") + ")", "default")] = \
             llama_cpp_peer(path, prompt, gen_tokens, repeats)
-    units = {"tokens_per_s": "tok/s", "prefill_tokens_per_s": "tok/s"}
+    units = {"tokens_per_s": "tok/s", "prefill_tokens_per_s": "tok/s", "greedy_agreement": "fraction"}
+    reference = runs[("ours", "sync")][0][2]
     records = []
     for (engine, variant), r in runs.items():
-        for metric, (value, samples) in _summarize(r, prompt_len).items():
+        metrics = _summarize(r, prompt_len)
+        # the same weights must give the same greedy tokens: the share of positions that match ours
+        metrics["greedy_agreement"] = (float(np.mean(np.array(r[0][2]) == np.array(reference))), [])
+        for metric, (value, samples) in metrics.items():
             records.append({"experiment": "decode", "model": name, "weights": weights,
                             "kv": "f32", "context": prompt_len + gen_tokens, "variant": variant,
                             "metric": metric, "unit": units.get(metric, "ms"), "value": value,
