@@ -1,0 +1,285 @@
+"""The roofline of local inference: how fast a model *can* run on a machine, before running it.
+
+A kernel moves bytes between memory and the chip and does floating-point work on them. It
+cannot finish sooner than either takes on its own:
+
+    time >= max(bytes / bandwidth, flops / peak_flops)
+
+Its arithmetic intensity, flops / bytes, says which wall it hits. Below the machine's ridge
+point (peak_flops / bandwidth, FLOP per byte) it waits on memory; above it, on arithmetic.
+
+Generating one token (decode) multiplies every weight matrix by one vector (GEMV): each
+16-bit weight is read once for 2 FLOPs, about 1 FLOP/byte, far below every ridge point
+here (C27). So decode speed is bandwidth / bytes per token, and bytes per token are the
+weights plus the KV cache read. Processing a prompt (prefill) multiplies the same weights by
+a matrix of N tokens (GEMM): N times the FLOPs for the same weight bytes, hundreds of
+FLOP/byte (C26), so time to first token grows with N and is set by compute (C14).
+
+Conventions: GB is 1e9 bytes; `context` is the number of positions a token attends to, its
+own included, which is also the KV cache length it reads; `bits_per_weight` is the average
+storage of a weight (16 for bf16, ~4.5 for Q4_K); KV entries default to 2 bytes.
+
+See chapter: intro
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:  # ref_impl.model imports mlx; nothing here needs it at run time
+    from .model import ModelArgs
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A machine's two roofs, memory bandwidth and peak arithmetic, with where the numbers come from."""
+
+    name: str
+    memory_gb: float            # largest configuration; unified memory on Apple chips
+    bandwidth_gbs: float        # peak DRAM/HBM bandwidth by datasheet, GB/s
+    peak_tflops: float | None   # dense (no 2:4 sparsity) rate of `peak_kind`; None: no vendor figure
+    peak_kind: str
+    source: str
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes per second."""
+        return self.bandwidth_gbs * 1e9
+
+    @property
+    def peak_flops(self) -> float:
+        """FLOP per second; raises if the vendor publishes no figure (pass one with dataclasses.replace)."""
+        if self.peak_tflops is None:
+            raise ValueError(f"{self.name}: no sourced peak FLOP/s; use dataclasses.replace(hw, peak_tflops=...)")
+        return self.peak_tflops * 1e12
+
+
+_APPLE = "Apple publishes no GPU FLOP/s figure for this chip"
+_TENSOR = "dense FP16/BF16 tensor cores, FP32 accumulate"
+HARDWARE: dict[str, Hardware] = {hw.name: hw for hw in (
+    Hardware("Apple M3 Max", 128, 400, None, _APPLE,
+             "Apple, 'MacBook Pro (16-inch, Nov 2023) - Tech Specs' (M3 Max, 16-core CPU, 40-core GPU): "
+             "https://support.apple.com/en-us/117737"),
+    Hardware("Apple M4 Max", 128, 546, None, _APPLE,
+             "Apple Newsroom, 'Apple introduces M4 Pro and M4 Max' (2024-10-30), 40-core GPU: "
+             "https://www.apple.com/newsroom/2024/10/apple-introduces-m4-pro-and-m4-max/"),
+    Hardware("Apple M5 Max", 128, 614, None, _APPLE,
+             "Apple Newsroom, 'Apple debuts M5 Pro and M5 Max to supercharge the most demanding pro "
+             "workflows' (2026-03), 40-core GPU: https://www.apple.com/newsroom/2026/03/"
+             "apple-debuts-m5-pro-and-m5-max-to-supercharge-the-most-demanding-pro-workflows/"),
+    Hardware("RTX 4090", 24, 1008, 165.2, _TENSOR + " (FP16 accumulate: 330.3)",
+             "NVIDIA, 'NVIDIA Ada GPU Architecture' whitepaper, Appendix A, Table 2: "
+             "https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf"),
+    Hardware("RTX 5090", 32, 1792, 209.5, _TENSOR,
+             "NVIDIA, 'NVIDIA RTX Blackwell GPU Architecture' whitepaper, appendix: "
+             "https://images.nvidia.com/aem-dam/Solutions/geforce/blackwell/nvidia-rtx-blackwell-gpu-architecture.pdf"
+             "; GeForce RTX 5090 specs: https://www.nvidia.com/en-us/geforce/graphics-cards/50-series/rtx-5090/"),
+    Hardware("H100 SXM", 80, 3350, 989.5, _TENSOR + " (the page's 1,979 is with sparsity, 2x dense)",
+             "NVIDIA, 'H100 Tensor Core GPU', specifications: https://www.nvidia.com/en-us/data-center/h100/"),
+    Hardware("H200 SXM", 141, 4800, 989.5, _TENSOR + " (the page's 1,979 is with sparsity, 2x dense)",
+             "NVIDIA, 'H200 Tensor Core GPU', specifications: https://www.nvidia.com/en-us/data-center/h200/"),
+)}
+
+
+def this_machine(seconds: float = 2.0, array_mb: int = 256, matmul_n: int = 2048) -> Hardware:
+    """Measure this machine's roofs live with numpy, best of as many runs as `seconds` allows (>= 3 each).
+
+    Bandwidth: `np.copyto` between two `array_mb` MiB float64 arrays, counting 2 x array bytes per
+    copy (one read, one write). Write-allocate caches may move a third array's worth unseen, so
+    this is a lower bound on the traffic, as STREAM's Copy is. Peak: float32 `matmul_n`-square
+    matmul through numpy's BLAS, 2 n^3 FLOPs, all cores -- a CPU float32 figure, not bf16.
+    """
+    src = np.ones(array_mb * 2**20 // 8)
+    dst = np.zeros_like(src)
+    a = np.ones((matmul_n, matmul_n), np.float32)
+    b = np.ones((matmul_n, matmul_n), np.float32)
+
+    def best(fn, budget: float) -> float:
+        times, start = [], time.perf_counter()
+        while len(times) < 3 or time.perf_counter() - start < budget:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    copy_s = best(lambda: np.copyto(dst, src), seconds / 2)
+    matmul_s = best(lambda: a @ b, seconds / 2)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    return Hardware(f"this machine ({platform.machine()}, {os.cpu_count()} CPUs)", memory,
+                    2 * src.nbytes / copy_s / 1e9, 2 * matmul_n**3 / matmul_s / 1e12,
+                    f"float32 numpy matmul, n={matmul_n} (CPU)", "measured live on this machine")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the roofline needs of a decoder's config.json: matrix sizes, KV heads, attention span."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int             # gated MLP (SwiGLU/GeGLU): three d x f matrices
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    tie_word_embeddings: bool
+    source: str
+    sliding_window: int = 0            # 0: every layer attends to the whole context
+    global_every: int = 1              # with a window, one layer in this many is global (Gemma 3: 6)
+    norms_per_layer: int = 2           # RMSNorm weight vectors of width hidden_size (Gemma 3: 4)
+    qk_norm: bool = False              # a head_dim RMSNorm on queries and on keys (Qwen3, Gemma 3)
+
+    @property
+    def global_layers(self) -> int:
+        return self.num_hidden_layers // self.global_every if self.sliding_window else self.num_hidden_layers
+
+
+def _hf(repo: str) -> str:
+    return f"{repo}, config.json: https://huggingface.co/{repo}/blob/main/config.json"
+
+
+MODELS: dict[str, ModelShape] = {m.name: m for m in (
+    ModelShape("Llama-3.2-1B", 128256, 2048, 16, 8192, 32, 8, 64, True, _hf("meta-llama/Llama-3.2-1B")),
+    ModelShape("Llama-3.2-3B", 128256, 3072, 28, 8192, 24, 8, 128, True, _hf("meta-llama/Llama-3.2-3B")),
+    ModelShape("Llama-3.1-8B", 128256, 4096, 32, 14336, 32, 8, 128, False, _hf("meta-llama/Llama-3.1-8B")),
+    ModelShape("Qwen3-4B", 151936, 2560, 36, 9728, 32, 8, 128, True, _hf("Qwen/Qwen3-4B"), qk_norm=True),
+    ModelShape("Qwen3-8B", 151936, 4096, 36, 12288, 32, 8, 128, False, _hf("Qwen/Qwen3-8B"), qk_norm=True),
+    ModelShape("Qwen3-32B", 151936, 5120, 64, 25600, 64, 8, 128, False, _hf("Qwen/Qwen3-32B"), qk_norm=True),
+    # text_config only: the SigLIP vision tower (~0.4B) runs once per image, not per token.
+    # 16 heads x 256 = 4096 attention width, wider than hidden_size; layers 6, 12, ... 48 are global.
+    ModelShape("Gemma-3-12B", 262208, 3840, 48, 15360, 16, 8, 256, True,
+               _hf("google/gemma-3-12b-it") + " (text_config; keys it omits are transformers' "
+               "Gemma3TextConfig defaults: head_dim 256, vocab 262208, sliding_window_pattern 6)",
+               sliding_window=1024, global_every=6, norms_per_layer=4, qk_norm=True),
+)}
+
+
+def shape_from_args(name: str, args: ModelArgs) -> ModelShape:
+    """The roofline's view of one of our own models (a `ref_impl.model.ModelArgs`)."""
+    return ModelShape(name, args.vocab_size, args.hidden_size, args.num_hidden_layers,
+                      args.intermediate_size, args.num_attention_heads, args.num_key_value_heads,
+                      args.head_dim, args.tie_word_embeddings, "ref_impl.model.ModelArgs")
+
+
+def matmul_params(shape: ModelShape) -> int:
+    """Weights multiplied by every token: attention and MLP matrices of each layer, and the LM head."""
+    d, hd = shape.hidden_size, shape.head_dim
+    attn = d * hd * (2 * shape.num_attention_heads + 2 * shape.num_key_value_heads)
+    return shape.num_hidden_layers * (attn + 3 * d * shape.intermediate_size) + shape.vocab_size * d
+
+
+def param_count(shape: ModelShape) -> int:
+    """All weights: the matrices, the input embedding unless tied to the LM head, and the norms."""
+    d = shape.hidden_size
+    norms = shape.num_hidden_layers * (shape.norms_per_layer * d + 2 * shape.head_dim * shape.qk_norm) + d
+    embedding = 0 if shape.tie_word_embeddings else shape.vocab_size * d
+    return matmul_params(shape) + embedding + norms
+
+
+def weight_bytes(shape: ModelShape, bits_per_weight: float) -> float:
+    """Bytes of all weights stored at `bits_per_weight` (an untied embedding counted too, an upper bound)."""
+    return param_count(shape) * bits_per_weight / 8
+
+
+def kv_bytes_per_token(shape: ModelShape, bytes_per_element: float = 2) -> float:
+    """Bytes one token adds to the KV cache: K and V, every layer, every key/value head."""
+    return 2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.head_dim * bytes_per_element
+
+
+def _attended(shape: ModelShape, context: int) -> int:
+    """Sum over layers of the positions a token at `context` attends to (a window caps local layers)."""
+    local = shape.num_hidden_layers - shape.global_layers
+    return shape.global_layers * context + local * min(context, shape.sliding_window)
+
+
+def _attended_sum(shape: ModelShape, n: int) -> int:
+    """Sum of `_attended(shape, i)` for i = 1..n, in closed form."""
+    w, local = shape.sliding_window, shape.num_hidden_layers - shape.global_layers
+    windowed = n * (n + 1) // 2 if n <= w else w * (w + 1) // 2 + (n - w) * w
+    return shape.global_layers * n * (n + 1) // 2 + local * windowed
+
+
+def kv_cache_bytes(shape: ModelShape, context: int, bytes_per_element: float = 2) -> float:
+    """Bytes of KV cache a token at `context` reads; local layers keep only the last `sliding_window`."""
+    return 2 * shape.num_key_value_heads * shape.head_dim * bytes_per_element * _attended(shape, context)
+
+
+def flops_per_token(shape: ModelShape, context: int) -> float:
+    """FLOPs for one token: 2 per matmul weight, plus Q.K and softmax(QK).V over `context` positions."""
+    attention = 4 * shape.num_attention_heads * shape.head_dim * _attended(shape, context)
+    return 2 * matmul_params(shape) + attention
+
+
+def forward_flops(shape: ModelShape, n_tokens: int, context: int) -> float:
+    """FLOPs for n tokens in one pass, the last at `context` (causal: they attend context-n+1 .. context)."""
+    if not 0 < n_tokens <= context:
+        raise ValueError(f"need 0 < n_tokens ({n_tokens}) <= context ({context})")
+    attended = _attended_sum(shape, context) - _attended_sum(shape, context - n_tokens)
+    return 2 * matmul_params(shape) * n_tokens + 4 * shape.num_attention_heads * shape.head_dim * attended
+
+
+def prefill_flops(shape: ModelShape, prompt_len: int) -> float:
+    """FLOPs to process a prompt of `prompt_len` tokens from an empty cache."""
+    return forward_flops(shape, prompt_len, prompt_len)
+
+
+def decode_bytes_per_token(shape: ModelShape, bits_per_weight: float, context: int, kv_bytes: float = 2) -> float:
+    """Bytes read to generate one token: every weight once, plus the KV cache at `context`."""
+    return weight_bytes(shape, bits_per_weight) + kv_cache_bytes(shape, context, kv_bytes)
+
+
+def arithmetic_intensity(flops: float, nbytes: float) -> float:
+    """FLOP per byte moved."""
+    return flops / nbytes
+
+
+def ridge_point(hw: Hardware) -> float:
+    """The intensity (FLOP/byte) above which `hw` is compute-bound: peak FLOP/s over bandwidth."""
+    return hw.peak_flops / hw.bandwidth
+
+
+def matmul_intensity(n_tokens: int, k: int, m: int, bits_per_weight: float = 16, act_bytes: float = 2) -> float:
+    """Intensity of (n_tokens x k) @ (k x m): 2nkm FLOPs over the weights plus input and output activations.
+
+    n = 1 is decode's GEMV, ~1 FLOP/byte at 16 bits (C27); n in the hundreds is prefill's GEMM (C26).
+    """
+    nbytes = k * m * bits_per_weight / 8 + (n_tokens * k + n_tokens * m) * act_bytes
+    return arithmetic_intensity(2 * n_tokens * k * m, nbytes)
+
+
+def forward_time(hw: Hardware, shape: ModelShape, bits_per_weight: float, n_tokens: int,
+                 context: int | None = None, kv_bytes: float = 2, efficiency: float = 1.0) -> float:
+    """Seconds for one pass of n tokens ending at `context` (default n_tokens: a fresh prompt).
+
+    max(bytes / bandwidth, flops / peak) with bytes = weights once + the KV cache at `context`:
+    flat while the weight read dominates (GEMV-like), then linear in n (GEMM, compute-bound).
+    `efficiency` is the fraction of both roofs actually reached.
+    """
+    context = n_tokens if context is None else context
+    nbytes = decode_bytes_per_token(shape, bits_per_weight, context, kv_bytes)
+    flops = forward_flops(shape, n_tokens, context)
+    return max(nbytes / hw.bandwidth, flops / hw.peak_flops) / efficiency
+
+
+def ttft_seconds(hw: Hardware, shape: ModelShape, bits_per_weight: float, prompt_len: int,
+                 kv_bytes: float = 2, efficiency: float = 1.0) -> float:
+    """Time to first token: prefill of the prompt, max(compute time, weight + KV-write time)."""
+    return forward_time(hw, shape, bits_per_weight, prompt_len, None, kv_bytes, efficiency)
+
+
+def decode_tokens_per_s(hw: Hardware, shape: ModelShape, bits_per_weight: float, context: int,
+                        kv_bytes: float = 2, efficiency: float = 1.0) -> float:
+    """Upper bound on generated tokens/s at `context`: min of the bandwidth and compute bounds.
+
+    context 0 counts the weights alone. Without a sourced peak (Apple) only the bandwidth bound applies.
+    """
+    bound = efficiency * hw.bandwidth / decode_bytes_per_token(shape, bits_per_weight, context, kv_bytes)
+    if hw.peak_tflops is None:
+        return bound
+    return min(bound, efficiency * hw.peak_flops / flops_per_token(shape, context))
