@@ -4,11 +4,19 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup book test bench clean
+.PHONY: setup chromium book test bench clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed chromium
 
-$(VENV)/.installed: requirements.txt
+# tests/test_book.py drives Debian's Chromium through Playwright (no browser download); checked on
+# every setup so an existing .venv still gets it
+chromium:
+	@if [ -z "$$CHROMIUM" ] && ! [ -x /usr/bin/chromium ]; then \
+	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; \
+	  else echo "note: tests/test_book.py needs Chromium: apt-get install chromium, or set CHROMIUM=/path/to/chromium"; fi; fi
+
+$(VENV)/.installed: requirements.txt pyproject.toml
 	@# OpenBLAS (cmeel-openblas) needs the Fortran runtime; Debian/Ubuntu ship it as libgfortran5
 	@if [ "$$(uname)" = Linux ] && ! ldconfig -p | grep -q 'libgfortran.so.5 '; then \
 	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
@@ -18,6 +26,8 @@ $(VENV)/.installed: requirements.txt
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# llama-cpp-python builds llama.cpp from source (several minutes on 2 cores)
 	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc 2>/dev/null || echo 2) $(BIN)/python -m pip install -r requirements.txt
+	@# ref_impl importable from anywhere in the venv (notebooks run in book/)
+	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $@
 
 book: setup

@@ -7,6 +7,10 @@ On Linux the MLX CPU wheel calls a slow reference BLAS; an optimized one is load
 before anything imports mlx (see blas.py).
 """
 
+from pathlib import Path
+
 from . import blas
 
 blas.load_optimized_blas()
+
+MODELS_DIR = Path(__file__).resolve().parent.parent / "models"  # the shipped GGUF models

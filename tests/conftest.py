@@ -7,10 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import ref_impl  # noqa: F401  (loads the optimized BLAS before anything imports mlx)
+from ref_impl import MODELS_DIR  # first: loads the optimized BLAS before anything imports mlx
 
-ROOT = Path(__file__).resolve().parent.parent
-SHIPPED = ROOT / "models" / "stdlib-10m.gguf"
+SHIPPED = MODELS_DIR / "stdlib-10m.gguf"
 
 
 def write_random_llama(path: Path, vocab=97, dim=64, layers=2, heads=4, kv_heads=2, ff=96,

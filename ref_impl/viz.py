@@ -1,0 +1,182 @@
+"""viz: the figure builders every chapter uses, and the renderer that lets the static book draw them.
+
+One plotly template (`course`: Okabe-Ito colour-blind-safe palette, one font, white background), a
+few builders (`figure`, `line_chart`, `bar_chart`) whose axis titles must carry a unit in
+parentheses, e.g. "Batch size (tokens)", which the hover labels repeat, and two ways to explore a
+figure with no kernel behind it (`with_dropdown`, `with_slider`: both switch which traces are shown).
+
+Rendering. In a kernel, plotly's default display is the `application/vnd.plotly.v1+json` mime type,
+which JupyterLab draws natively (plotly ships the jupyterlab-plotly extension) but Jupyter Book
+drops; the `notebook_connected` renderer fetches plotly.js from a CDN. The `course` renderer emits
+a `text/html` div whose script calls the page's global `Plotly`, and, in live Jupyter, the plotly
+JSON beside it. During the book build (`COURSE_BOOK_BUILD=1`, set by `book/_ext/plotly_offline.py`,
+which also puts plotly.min.js from the installed plotly on every page) it emits the HTML alone:
+myst-nb warns about every mime type it cannot render, even one it would not have picked.
+Importing this module registers the template and makes the renderer the default.
+
+References: plotly.py `plotly/io/_base_renderers.py` (HtmlRenderer); Okabe & Ito, "Color Universal
+Design" (2008), https://jfly.uni-koeln.de/color/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+
+import plotly.graph_objects as go
+import plotly.io as pio
+from plotly.io._base_renderers import MimetypeRenderer
+
+# Okabe-Ito, ordered so the first lines are the most distinct; their yellow is too pale on white.
+PALETTE = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000")
+DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot", "solid")
+FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, 'Helvetica Neue', Arial, sans-serif"
+HEIGHT = 460  # px; the width follows the page
+
+TEMPLATE = "course"
+RENDERER = "course"
+
+_UNIT = re.compile(r"^(?P<name>.*\S)\s*\((?P<unit>[^()]+)\)\s*$")
+
+
+def split_unit(title: str) -> tuple[str, str]:
+    """'Batch size (tokens)' -> ('Batch size', 'tokens'). Raises ValueError if the unit is missing:
+    every axis says what it measures. Use '(×)' or '(count)' for dimensionless quantities."""
+    m = _UNIT.match(title)
+    if not m:
+        raise ValueError(f"axis title {title!r} has no unit: write it as 'Quantity (unit)'")
+    return m["name"], m["unit"]
+
+
+def _template() -> go.layout.Template:
+    axis = dict(showline=True, linecolor="#444", ticks="outside", gridcolor="#e5e5e5",
+                zeroline=False, automargin=True, title_standoff=8)
+    return go.layout.Template(layout=dict(
+        font=dict(family=FONT, size=14, color="#222"),
+        title=dict(font=dict(size=17), x=0, xanchor="left", xref="paper"),
+        colorway=list(PALETTE),
+        paper_bgcolor="white", plot_bgcolor="white",
+        xaxis=axis, yaxis=axis,
+        legend=dict(bgcolor="rgba(255,255,255,0.8)", title_text=""),
+        hoverlabel=dict(font=dict(family=FONT, size=13)),
+        margin=dict(l=70, r=20, t=60, b=60),
+        height=HEIGHT,
+    ))
+
+
+class CourseRenderer(MimetypeRenderer):
+    """Display a figure as an HTML div that draws it with the page's global `Plotly`, plus plotly
+    JSON for live Jupyter unless COURSE_BOOK_BUILD=1. No plotly.js is embedded, nothing is fetched."""
+
+    def __init__(self, config: dict | None = None):
+        self.config = {"displaylogo": False, "responsive": True, **(config or {})}
+
+    def to_mimebundle(self, fig_dict: dict) -> dict:
+        html = pio.to_html(fig_dict, config=self.config, include_plotlyjs=False, include_mathjax=False,
+                           full_html=False, default_width="100%", default_height=f"{HEIGHT}px",
+                           validate=False)
+        if os.environ.get("COURSE_BOOK_BUILD") == "1":
+            return {"text/html": html}
+        spec = json.loads(pio.to_json(fig_dict, validate=False, remove_uids=False))
+        return {"application/vnd.plotly.v1+json": {**spec, "config": self.config}, "text/html": html}
+
+
+def use_offline_renderer() -> None:
+    """Register the `course` template and renderer and make the renderer the default. Idempotent;
+    importing this module calls it."""
+    pio.templates[TEMPLATE] = _template()
+    pio.renderers[RENDERER] = CourseRenderer()
+    pio.renderers.default = RENDERER
+
+
+def figure(title: str, x_title: str, y_title: str, log_x: bool = False, log_y: bool = False) -> go.Figure:
+    """An empty figure in the course template. `title` states the point, not the subject; both axis
+    titles carry their unit in parentheses."""
+    split_unit(x_title), split_unit(y_title)
+    fig = go.Figure(layout=dict(template=TEMPLATE, title_text=title))
+    fig.update_xaxes(title_text=x_title, type="log" if log_x else None)
+    fig.update_yaxes(title_text=y_title, type="log" if log_y else None)
+    return fig
+
+
+def _hover(fig: go.Figure, x_fmt: str, y_fmt: str) -> str:
+    (xn, xu), (yn, yu) = split_unit(fig.layout.xaxis.title.text), split_unit(fig.layout.yaxis.title.text)
+    return (f"<b>%{{fullData.name}}</b><br>{xn}: %{{x{x_fmt}}} {xu}<br>"
+            f"{yn}: %{{y{y_fmt}}} {yu}<extra></extra>")
+
+
+def line_chart(series: Mapping[str, tuple[Sequence[float], Sequence[float]]]
+               | Sequence[tuple[str, Sequence[float], Sequence[float]]],
+               title: str, x_title: str, y_title: str, log_x: bool = False, log_y: bool = False,
+               markers: bool = True, x_fmt: str = ":,.4~g", y_fmt: str = ":,.4~g") -> go.Figure:
+    """One line per entry of `series`: {name: (x, y)}, or [(name, x, y), ...] when names repeat
+    (one line per name and dropdown option). Each name keeps one colour and dash, so a line looks
+    the same in every option and the lines stay apart in greyscale. Hover labels show units."""
+    fig = figure(title, x_title, y_title, log_x, log_y)
+    hover = _hover(fig, x_fmt, y_fmt)
+    entries = [(name, x, y) for name, (x, y) in series.items()] if isinstance(series, Mapping) else series
+    style: dict[str, int] = {}
+    for name, x, y in entries:
+        i = style.setdefault(name, len(style))
+        fig.add_trace(go.Scatter(
+            x=list(x), y=list(y), name=name, legendgroup=name, mode="lines+markers" if markers else "lines",
+            line=dict(color=PALETTE[i % len(PALETTE)], dash=DASHES[i % len(DASHES)], width=2.5),
+            marker=dict(size=6), hovertemplate=hover))
+    return fig
+
+
+def bar_chart(categories: Sequence[str], series: Mapping[str, Sequence[float]], title: str, x_title: str,
+              y_title: str, log_y: bool = False, y_fmt: str = ":,.4~g") -> go.Figure:
+    """Grouped bars: one bar per category for each entry of `series` ({name: values})."""
+    fig = figure(title, x_title, y_title, log_y=log_y)
+    (xn, _), (yn, yu) = split_unit(x_title), split_unit(y_title)
+    hover = f"<b>%{{fullData.name}}</b><br>{xn}: %{{x}}<br>{yn}: %{{y{y_fmt}}} {yu}<extra></extra>"
+    for i, (name, values) in enumerate(series.items()):
+        fig.add_trace(go.Bar(x=list(categories), y=list(values), name=name,
+                             marker_color=PALETTE[i % len(PALETTE)], hovertemplate=hover))
+    fig.update_layout(barmode="group", bargap=0.25)
+    return fig
+
+
+def _visibility(fig: go.Figure, options: Mapping[str, Sequence[int]]) -> list[list[bool]]:
+    n = len(fig.data)
+    masks = []
+    for label, shown in options.items():
+        bad = [i for i in shown if not 0 <= i < n]
+        if bad:
+            raise IndexError(f"option {label!r} names traces {bad}, the figure has {n}")
+        masks.append([i in set(shown) for i in range(n)])
+    if not masks:
+        raise ValueError("no options given")
+    for trace, visible in zip(fig.data, masks[0]):
+        trace.visible = visible
+    return masks
+
+
+def with_dropdown(fig: go.Figure, options: Mapping[str, Sequence[int]]) -> go.Figure:
+    """A menu that shows, for each option ({label: indices of the traces to show}), only those
+    traces; the first option is shown at first. Works in the static page: plotly.js switches the
+    traces, no kernel is involved. Labels should say what they pick, e.g. 'Matrix: 1024 × 384'."""
+    masks = _visibility(fig, options)
+    buttons = [dict(label=name, method="restyle", args=[{"visible": mask}])
+               for name, mask in zip(options, masks)]
+    fig.update_layout(updatemenus=[dict(buttons=buttons, direction="down", showactive=True,
+                                        x=1.0, xanchor="right", y=1.02, yanchor="bottom")],
+                      margin_t=100)
+    return fig
+
+
+def with_slider(fig: go.Figure, steps: Mapping[str, Sequence[int]], prefix: str) -> go.Figure:
+    """A slider with one step per entry of `steps` ({step label: indices of the traces to show}),
+    e.g. one step per batch size. `prefix` names the quantity and unit, e.g. 'Batch size (tokens): '."""
+    masks = _visibility(fig, steps)
+    fig.update_layout(sliders=[dict(
+        active=0, currentvalue=dict(prefix=prefix), pad=dict(t=50),
+        steps=[dict(label=name, method="restyle", args=[{"visible": mask}])
+               for name, mask in zip(steps, masks)])])
+    return fig
+
+
+use_offline_renderer()
