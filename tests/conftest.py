@@ -13,8 +13,9 @@ SHIPPED = MODELS_DIR / "stdlib-10m.gguf"
 
 
 def write_random_llama(path: Path, vocab=97, dim=64, layers=2, heads=4, kv_heads=2, ff=96,
-                       context=64, tied=True, rope_freqs=False, seed=0) -> Path:
-    """A random llama-architecture GGUF (float32), written with the `gguf` package, not ours."""
+                       context=64, tied=True, rope_freqs=False, seed=0, weight_type=None) -> Path:
+    """A random llama-architecture GGUF written with the `gguf` package, not ours: matrices in
+    `weight_type` (a gguf.GGMLQuantizationType name such as "Q8_0"; default F32), norms in F32."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -24,6 +25,14 @@ def write_random_llama(path: Path, vocab=97, dim=64, layers=2, heads=4, kv_heads
         return (rng.standard_normal((out, inp)) / np.sqrt(inp)).astype(np.float32)
 
     w = gguf.GGUFWriter(str(path), "llama")
+    qtype = gguf.GGMLQuantizationType[weight_type] if weight_type else None
+
+    def add_matrix(name, m):
+        if qtype is None:
+            w.add_tensor(name, m)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(m, qtype), raw_dtype=qtype)
+
     w.add_context_length(context)
     w.add_embedding_length(dim)
     w.add_block_count(layers)
@@ -32,23 +41,23 @@ def write_random_llama(path: Path, vocab=97, dim=64, layers=2, heads=4, kv_heads
     w.add_head_count_kv(kv_heads)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
-    w.add_tensor("token_embd.weight", mat(vocab, dim) * 4)
+    add_matrix("token_embd.weight", mat(vocab, dim) * 4)
     if rope_freqs:
         w.add_tensor("rope_freqs.weight", rng.uniform(1.0, 8.0, hd // 2).astype(np.float32))
     for i in range(layers):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", rng.uniform(0.5, 1.5, dim).astype(np.float32))
-        w.add_tensor(p + "attn_q.weight", mat(heads * hd, dim))
-        w.add_tensor(p + "attn_k.weight", mat(kv_heads * hd, dim))
-        w.add_tensor(p + "attn_v.weight", mat(kv_heads * hd, dim))
-        w.add_tensor(p + "attn_output.weight", mat(dim, heads * hd))
+        add_matrix(p + "attn_q.weight", mat(heads * hd, dim))
+        add_matrix(p + "attn_k.weight", mat(kv_heads * hd, dim))
+        add_matrix(p + "attn_v.weight", mat(kv_heads * hd, dim))
+        add_matrix(p + "attn_output.weight", mat(dim, heads * hd))
         w.add_tensor(p + "ffn_norm.weight", rng.uniform(0.5, 1.5, dim).astype(np.float32))
-        w.add_tensor(p + "ffn_gate.weight", mat(ff, dim))
-        w.add_tensor(p + "ffn_up.weight", mat(ff, dim))
-        w.add_tensor(p + "ffn_down.weight", mat(dim, ff))
+        add_matrix(p + "ffn_gate.weight", mat(ff, dim))
+        add_matrix(p + "ffn_up.weight", mat(ff, dim))
+        add_matrix(p + "ffn_down.weight", mat(dim, ff))
     w.add_tensor("output_norm.weight", rng.uniform(0.5, 1.5, dim).astype(np.float32))
     if not tied:
-        w.add_tensor("output.weight", mat(vocab, dim))
+        add_matrix("output.weight", mat(vocab, dim))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 from gguf import GGUFReader
+from gguf.quants import dequantize
 
 
 def load(path) -> tuple[dict, dict[str, np.ndarray]]:
-    """Hyper-parameters and float64 weights, (out, in) matrices, from a float GGUF file."""
+    """Hyper-parameters and float64 weights, (out, in) matrices, from a GGUF file whose tensors
+    the `gguf` package can dequantize (F32, F16, BF16, Q8_0, K-quants)."""
     reader = GGUFReader(path)
     fields = {f.name: f for f in reader.fields.values()}
 
@@ -29,7 +31,8 @@ def load(path) -> tuple[dict, dict[str, np.ndarray]]:
         "eps": scalar("llama.attention.layer_norm_rms_epsilon"),
         "theta": scalar("llama.rope.freq_base", 10000.0),
     }
-    weights = {t.name: np.array(t.data, dtype=np.float64).reshape([int(d) for d in reversed(t.shape)])
+    weights = {t.name: dequantize(t.data, t.tensor_type).astype(np.float64)
+                       .reshape([int(d) for d in reversed(t.shape)])
                for t in reader.tensors}
     return hp, weights
 

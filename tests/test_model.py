@@ -34,6 +34,15 @@ def test_forward_matches_numpy(tmp_path, variant):
     assert np.abs(ours - ref).max() <= 1e-4
 
 
+@pytest.mark.parametrize("weight_type", ["F16", "BF16", "Q8_0"])
+def test_stored_weight_types_load(tmp_path, weight_type):
+    """F16, BF16 and Q8_0 matrices (as llama.cpp's converter writes them) load and compute right."""
+    path = write_random_llama(tmp_path / "m.gguf", weight_type=weight_type, tied=False)
+    with gguf.read(path) as f:
+        assert f.tensors["blk.0.attn_q.weight"].type.name == weight_type
+    assert np.abs(mlx_logits(path, TOKENS) - np_forward(*np_load(path), TOKENS)).max() <= 1e-4
+
+
 def test_shipped_forward_matches_numpy(shipped_model):
     with gguf.read(shipped_model) as f:
         vocab = f.tensors["token_embd.weight"].shape[0]
