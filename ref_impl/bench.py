@@ -150,8 +150,9 @@ def llama_cpp_peer(path: Path, prompt: list[int], n: int, repeats: int) -> list:
     """llama.cpp on the same GGUF file, through llama-cpp-python, greedy."""
     import llama_cpp
 
+    # n_gpu_layers=-1 offloads every layer when llama.cpp was built with a GPU backend; a CPU build ignores it
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(prompt) + n + 8, n_threads=os.cpu_count(),
-                          n_batch=max(512, len(prompt)), verbose=False)
+                          n_batch=max(512, len(prompt)), n_gpu_layers=-1, verbose=False)
 
     def stream():
         llm.reset()

@@ -12,12 +12,14 @@ Set ``REF_IMPL_BLAS=reference`` to keep MLX's bundled reference BLAS.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.metadata
 import os
 import re
 import sys
 import warnings
+from collections.abc import Iterator
 
 ENV_VAR = "REF_IMPL_BLAS"
 #: What was loaded (a description) or why nothing was (``"not loaded: ..."``).
@@ -123,3 +125,19 @@ def blas_info() -> str:
         return "Apple Accelerate (MLX on macOS)"
     reason = BLAS_INFO or "load_optimized_blas() was not called"
     return f"reference BLAS/LAPACK bundled with mlx (netlib); OpenBLAS {reason}"
+
+
+@contextlib.contextmanager
+def one_blas_thread() -> Iterator[None]:
+    """Run OpenBLAS on one thread inside the block, then restore its thread count. Timings on a
+    busy 2-core machine need it: two BLAS threads then wait on each other for tens of ms."""
+    lib = ctypes.CDLL(None)
+    if not hasattr(lib, "openblas_set_num_threads"):   # Accelerate (macOS) or the reference BLAS
+        yield
+        return
+    threads = lib.openblas_get_num_threads()
+    lib.openblas_set_num_threads(1)
+    try:
+        yield
+    finally:
+        lib.openblas_set_num_threads(threads)

@@ -1,5 +1,6 @@
 """The book as a reader gets it: built with warnings as errors, then opened in headless Chromium
-with the network cut off, where every plotly figure must draw from the book's own plotly.js.
+with the network cut off, where every plotly figure must draw from the book's own plotly.js and
+every formula must be typeset by the book's own MathJax.
 
 The build goes into the repository's `_build/` (what `make book` writes), so notebooks executed
 once are reused from its cache. Screenshots land in `test-output/screenshots/`, one per page.
@@ -159,10 +160,11 @@ class PageVisit:
 
 
 @pytest.mark.parametrize("page_path", toc_pages())
-def test_page_draws_every_figure_offline(browser, server, built_book, page_path):
+def test_page_draws_every_figure_and_formula_offline(browser, server, built_book, page_path):
     html = built_book / f"{page_path}.html"
     assert html.is_file(), f"{html} was not built"
     expected = html.read_text().count('class="plotly-graph-div"')
+    formulas = html.read_text().count('class="math notranslate nohighlight"')  # Sphinx's \(..\) and \[..\]
     visit = PageVisit(browser, server, page_path)
     try:
         page = visit.page
@@ -188,14 +190,48 @@ def test_page_draws_every_figure_offline(browser, server, built_book, page_path)
             assert plotly_js and all(s == 200 for _, s in plotly_js), f"plotly.min.js not served: {plotly_js}"
             version = page.evaluate("() => window.Plotly.version")
             assert version == plotly.offline.get_plotlyjs_version(), f"the page runs plotly.js {version}"
+        _check_formulas_typeset(visit, formulas)
+        missing = [(u, s) for u, s in visit.local if s >= 400]
+        assert not missing, f"the book links files it does not have: {missing}"
         assert not visit.errors, "errors in the page:\n" + "\n".join(visit.errors)
     finally:
         visit.close()
 
 
+def _check_formulas_typeset(visit: PageVisit, formulas: int) -> None:
+    """Every math element of the page was turned into MathJax output, by the book's own copy."""
+    assert not [u for u in visit.blocked if "mathjax" in u.lower()], \
+        f"the page asked the network for MathJax: {visit.blocked}"
+    if not formulas:
+        return
+    page = visit.page
+    page.wait_for_function("() => window.MathJax && MathJax.startup && MathJax.startup.promise",
+                           timeout=TIMEOUT_MS)
+    typeset = page.evaluate(
+        r"""async () => {
+             await MathJax.startup.promise;
+             const maths = [...document.querySelectorAll('.math')];
+             return {version: MathJax.version, maths: maths.length,
+                     done: maths.filter(m => m.querySelector('mjx-container')).length,
+                     raw: maths.filter(m => /\\[(\[]/.test(m.textContent)).map(m => m.textContent.slice(0, 60)),
+                     errors: document.querySelectorAll('mjx-merror').length}; }""")
+    served = [(u, s) for u, s in visit.local if "/_static/mathjax/" in u]
+    assert any("tex-mml-chtml.js" in u and s == 200 for u, s in served), f"MathJax not served: {served}"
+    assert any(u.split("?")[0].endswith(".woff") for u, _ in served), f"no MathJax font was loaded: {served}"
+    assert typeset["maths"] == formulas and typeset["done"] == formulas, \
+        f"{formulas} formulas in the HTML, {typeset['done']} typeset: {typeset}"
+    assert not typeset["raw"] and not typeset["errors"], f"formulas left as TeX or in error: {typeset}"
+
+
 def test_the_book_has_figures(built_book):
     """The figure checks above must have something to check."""
     assert any('class="plotly-graph-div"' in (built_book / f"{p}.html").read_text() for p in toc_pages())
+
+
+def test_the_book_has_formulas(built_book):
+    """The MathJax checks above must have something to check."""
+    assert any('class="math notranslate nohighlight"' in (built_book / f"{p}.html").read_text()
+               for p in toc_pages())
 
 
 def test_dropdowns_switch_traces_without_a_kernel(browser, server, built_book):

@@ -7,7 +7,6 @@ import math
 from dataclasses import replace
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
 

@@ -1,0 +1,181 @@
+"""The claim registry: every seed claim once and verbatim, the implemented checks against numbers worked
+by hand, evidence with units, and `live=False` that times nothing."""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from ref_impl import claims, roofline
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = ROOT.parent / "shared"          # CI keeps a copy of shared/ beside the clone
+IMPLEMENTED = ("C04", "C14", "C26", "C27")
+IDS = [f"C{i:02d}" for i in range(1, 33)]
+
+
+@pytest.fixture(scope="module")
+def live_ledger():
+    return dict((c.id, v) for c, v in claims.ledger(live=True))
+
+
+def test_every_id_c01_to_c32_is_registered_once_in_order():
+    assert [row[0] for row in claims._TABLE] == IDS
+    assert list(claims.CLAIMS) == IDS
+    assert all(claims.CLAIMS[i].id == i for i in IDS)
+
+
+def test_claims_name_a_valid_chapter_and_seed_file_and_every_chapter_has_claims():
+    for c in claims.CLAIMS.values():
+        assert c.chapter in claims.CHAPTERS, c.id
+        assert c.seed == claims.SEEDS[0 if int(c.id[1:]) <= 16 else 1], c.id
+        assert c.short and c.quote.endswith("."), c.id
+    assert {c.chapter for c in claims.CLAIMS.values()} == set(claims.CHAPTERS)
+    assert len({c.quote for c in claims.CLAIMS.values()}) == 32
+
+
+def test_quotes_are_verbatim_sentences_of_their_seed_file():
+    seeds = SHARED / "seeds"
+    if not seeds.is_dir():
+        pytest.skip(f"the seed notes are not beside the checkout ({seeds}); quotes are checked where they are")
+    texts = {name: (seeds / name).read_text() for name in claims.SEEDS}
+    for c in claims.CLAIMS.values():
+        assert f"- {c.quote} (high confidence)" in texts[c.seed], c.id
+    assert sum(t.count("(high confidence)") for t in texts.values()) == len(claims.CLAIMS)
+
+
+def test_chapters_match_the_claims_table():
+    table = SHARED / "CLAIMS.md"
+    if not table.is_file():
+        pytest.skip(f"{table} is not beside the checkout")
+    rows = dict(re.findall(r"^\| (C\d\d) \| ([\w-]+) \|", table.read_text(), re.M))
+    assert rows == {c.id: c.chapter for c in claims.CLAIMS.values()}
+
+
+def test_pending_claims_say_pending_and_name_their_chapter():
+    for cid, c in claims.CLAIMS.items():
+        if cid in IMPLEMENTED:
+            continue
+        v = claims.check(cid, live=False)
+        assert v.status == "pending" and c.chapter in v.summary and not v.evidence, cid
+    with pytest.raises(KeyError, match="C99"):
+        claims.check("C99")
+
+
+def test_live_false_times_nothing(monkeypatch):
+    def no_clock(*_):
+        raise AssertionError("live=False must not time anything")
+    for name in ("perf_counter", "perf_counter_ns", "time", "monotonic"):
+        monkeypatch.setattr(time, name, no_clock)
+    monkeypatch.setattr(claims, "measure_matmul", no_clock)
+    monkeypatch.setattr(claims, "measure_forward", no_clock)
+    rows = claims.ledger(live=False)
+    assert len(rows) == 32
+    verdicts = {c.id: v for c, v in rows}
+    assert all(not k.startswith("live") for cid in IMPLEMENTED for k in verdicts[cid].evidence)
+    assert "live=False" in verdicts["C27"].summary and "live=False" in verdicts["C26"].summary
+
+
+def _check_evidence(v: claims.Verdict) -> None:
+    assert v.status in claims.STATUSES and v.status != "pending"
+    assert v.summary.endswith(".") and v.condition and v.source
+    assert v.evidence
+    for name, n in v.evidence.items():
+        assert isinstance(n, claims.Number) and n.unit.strip(), name
+        assert math.isfinite(n.value), name
+
+
+@pytest.mark.parametrize("cid", IMPLEMENTED)
+def test_implemented_checks_give_a_verdict_with_evidence_in_units(cid, live_ledger):
+    _check_evidence(claims.check(cid, live=False))
+    _check_evidence(live_ledger[cid])
+
+
+def test_live_verdicts_carry_live_measurements_and_say_so(live_ledger):
+    for cid in ("C14", "C26", "C27"):
+        v = live_ledger[cid]
+        assert any(k.startswith("live") for k in v.evidence) and v.source.startswith("live"), cid
+    assert live_ledger["C27"].status == "confirmed"
+    assert live_ledger["C04"].status == claims.check("C04", live=False).status == "qualified"
+
+
+def test_the_ledger_does_not_time_twice(live_ledger, monkeypatch):
+    monkeypatch.setattr(time, "perf_counter", lambda: (_ for _ in ()).throw(AssertionError("timed again")))
+    assert {c.id: v.status for c, v in claims.ledger(live=True)} == {k: v.status for k, v in live_ledger.items()}
+
+
+def test_c14_offline_reads_recorded_results_when_present():
+    v = claims.check("C14", live=False)
+    if not list(claims.RESULTS_DIR.glob("*.json")):
+        assert "no recorded results" in v.summary
+        return
+    assert v.source.startswith("results/") and any(k.startswith("recorded TTFT") for k in v.evidence)
+
+
+def test_c04_arithmetic_by_hand():
+    ev = claims.check("C04", live=False).evidence
+    # 85 tok/s x 7.8 GB = 663 GB/s; 92 x 7.8 = 717.6
+    assert ev["implied read rate at 85 tok/s"].value == pytest.approx(663.0)
+    assert ev["implied read rate at 92 tok/s"].value == pytest.approx(717.6)
+    # the widest theoretical bus: 663 / 0.85 = 780, 717.6 / 0.80 = 897; x 8 bits / 256 pins = 24.4, 28.0 Gbps
+    assert ev["implied theoretical bandwidth, low"].value == pytest.approx(780.0)
+    assert ev["implied theoretical bandwidth, high"].value == pytest.approx(897.0)
+    assert ev["pin rate that needs on a 256-bit bus, low"].value == pytest.approx(24.375)
+    assert ev["pin rate that needs on a 256-bit bus, high"].value == pytest.approx(28.03125)
+    # RTX 5090: 1792 x 0.80 / 7.8 = 183.8, x 0.85 = 195.3, all of it 229.7; C03's 1024: 105.0, 111.6
+    assert ev["RTX 5090 (1792 GB/s) at 80%"].value == pytest.approx(183.79, abs=0.01)
+    assert ev["RTX 5090 (1792 GB/s) at 85%"].value == pytest.approx(195.28, abs=0.01)
+    assert ev["RTX 5090 at 100%"].value == pytest.approx(229.74, abs=0.01)
+    assert ev["C03's 256-bit bus (1024 GB/s) at 80%"].value == pytest.approx(105.03, abs=0.01)
+    assert ev["C03's 256-bit bus (1024 GB/s) at 85%"].value == pytest.approx(111.59, abs=0.01)
+    assert ev["stored bits per weight (nominal 12B in 7.8 GB)"].value == pytest.approx(5.2)
+
+
+def test_c27_gemv_intensity_and_ridge_points_by_hand():
+    ev = claims.check("C27", live=False).evidence
+    # 4096 x 4096 GEMV at 16 bits: 2 * 4096^2 FLOPs / (2 * 4096^2 + 2 * 8192 bytes) = 1 / (1 + 1/2048)
+    assert roofline.matmul_intensity(1, 4096, 4096, 16) == pytest.approx(2048 / 2049)
+    assert 0.99 < ev["GEMV intensity, Llama-3.1-8B, 16-bit"].value < 1.0
+    assert ev["ridge point, H200 SXM"].value == pytest.approx(989.5 / 4.8)     # 206 FLOP/byte
+    assert ev["GEMV intensity at Q4_K's 4.5 bits/weight"].value == pytest.approx(16 / 4.5, rel=0.01)
+
+
+def test_c26_prompt_lengths_are_the_first_to_pass_their_threshold():
+    llama = claims.LLAMA8B
+    for threshold in [100] + [roofline.ridge_point(hw) for hw in claims.RIDGED]:
+        n = claims.tokens_to_reach(llama, threshold)
+        assert claims.model_intensity(llama, n - 1) <= threshold < claims.model_intensity(llama, n)
+
+
+def test_attention_share_by_hand():
+    # Llama-3.1-8B, 8192-token prompt: attention 4 * 32 heads * 128 * 32 layers * (8192 * 8193 / 2) FLOPs,
+    # matmuls 2 * 7,504,658,432 * 8192
+    att = 4 * 32 * 128 * 32 * 8192 * 8193 / 2
+    assert claims.attention_share(claims.LLAMA8B, 8192) == pytest.approx(att / (att + 2 * 7_504_658_432 * 8192))
+
+
+def test_fit_ttft_recovers_flat_linear_and_quadratic_terms():
+    lengths = tuple(2**i for i in range(10))
+    seconds = tuple(0.01 + 1e-3 * n + 1e-6 * n * n for n in lengths)
+    assert claims.fit_ttft(lengths, seconds) == pytest.approx((0.01, 1e-3, 1e-6), rel=1e-6)
+
+
+def test_number_formatting_keeps_three_figures_and_the_unit():
+    assert str(claims.Number(663.0, "GB/s")) == "663 GB/s"
+    assert str(claims.Number(1169.4, "FLOP/byte")) == "1,169 FLOP/byte"
+    assert str(claims.Number(24.375, "Gbps")) == "24.4 Gbps"
+    assert str(claims.Number(0.99951, "FLOP/byte")) == "1.00 FLOP/byte"
+
+
+def test_ledger_html_escapes_text_and_has_one_row_per_claim():
+    rows = claims.ledger(live=False)
+    page = claims.ledger_html(rows)
+    assert page.count("<tr id='claim-") == 32 and "C32" in page
+    evil = claims.Claim("C99", "roofline", "a <b>", "x < y & z.", claims.SEEDS[0])
+    page = claims.ledger_html([(evil, claims.Verdict("refuted", "<script>alert(1)</script>."))])
+    assert "<script>" not in page and "&lt;script&gt;" in page and "x &lt; y &amp; z." in page
+    assert claims.status_counts(rows)["pending"] == 32 - len(IMPLEMENTED)
