@@ -164,7 +164,9 @@ def with_dropdown(fig: go.Figure, options: Mapping[str, Sequence[int]]) -> go.Fi
                for name, mask in zip(options, masks)]
     fig.update_layout(updatemenus=[dict(buttons=buttons, direction="down", showactive=True,
                                         x=1.0, xanchor="right", y=1.02, yanchor="bottom")],
-                      margin_t=100)
+                      # the title keeps the top of the figure, the menu sits below it: a two-line
+                      # title and the menu never overlap
+                      margin_t=130, title_y=0.98, title_yanchor="top")
     return fig
 
 
