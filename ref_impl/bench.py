@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from importlib import metadata as pkg_metadata
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from mlx.utils import tree_flatten
 
 from . import blas, gguf
 from .generate import Sampler, generate_step
-from .model import ModelArgs, load_model
+from .model import Model, ModelArgs, load_model
 
 
 def _cpu_model() -> str:
@@ -159,6 +160,29 @@ def llama_cpp_peer(path: Path, prompt: list[int], n: int, repeats: int) -> list:
         return llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, frequency_penalty=0.0,
                             presence_penalty=0.0, reset=True)
     return _repeat(stream, n, repeats)
+
+
+def forward_sweep(model: Model, lengths: Sequence[int], repeats: int = 3, budget_s: float = math.inf,
+                  seed: int = 0) -> tuple[list[int], list[float]]:
+    """Median seconds of one uncached forward over L random tokens, for each L in turn (a warm-up
+    pass first), on one BLAS thread so a busy machine gives stable times. Stops before an L whose
+    likely cost (twice the last L's, repeats + 1 passes) would overrun budget_s; returns the
+    lengths it timed and their seconds. The flat-then-linear curve of chapter 0."""
+    tokens = mx.array(np.random.default_rng(seed).integers(0, model.args.vocab_size, (1, max(lengths))))
+    timed, seconds, start = [], [], time.perf_counter()
+    with blas.one_blas_thread():
+        for L in lengths:
+            if seconds and time.perf_counter() - start + 2 * (repeats + 1) * seconds[-1] > budget_s:
+                break
+            mx.eval(model(tokens[:, :L]))                    # warm-up
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                mx.eval(model(tokens[:, :L]))
+                times.append(time.perf_counter() - t0)
+            timed.append(L)
+            seconds.append(float(np.median(times)))
+    return timed, seconds
 
 
 def bench_decode(path: Path, prompt_len: int = 128, gen_tokens: int = 128, repeats: int = 3,

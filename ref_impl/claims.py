@@ -116,19 +116,20 @@ class ForwardTiming:
 
 @functools.cache
 def measure_forward(max_len: int = 512, rounds: int = 3, steps: int = 8) -> ForwardTiming:
-    """Time a forward of the shipped model for L = 1, 2, 4 ... max_len tokens (a warm-up round, then
-    the best of `rounds` interleaved rounds) and decode steps with the KV cache at context 16 and
+    """Time a forward of the shipped model for L = 1, 2, 4 ... max_len tokens (bench.forward_sweep:
+    the median of `rounds` after a warm-up) and decode steps with the KV cache at context 16 and
     max_len - 100 (best of `steps`, the two contexts interleaved), on one BLAS thread."""
     import mlx.core as mx
 
+    from . import bench
     from .model import load
 
     model, _ = load(SHIPPED_MODEL)
     tokens = mx.array(np.random.default_rng(0).integers(0, model.args.vocab_size, (1, max_len)))
-    lengths = tuple(2**i for i in range(max_len.bit_length()) if 2**i <= max_len)
+    lengths, seconds = bench.forward_sweep(model, [2**i for i in range(max_len.bit_length()) if 2**i <= max_len],
+                                           repeats=rounds)
     contexts = (16, max_len - 100)
     with blas.one_blas_thread():
-        runs = [[_best(lambda n=n: mx.eval(model(tokens[:, :n])), 1) for n in lengths] for _ in range(rounds + 1)]
         caches = [model.make_cache(max_len) for _ in contexts]
         for cache, start in zip(caches, contexts):
             mx.eval(model(tokens[:, :start - 1], cache))   # the decode steps then run at start, start + 1, ...
@@ -137,9 +138,8 @@ def measure_forward(max_len: int = 512, rounds: int = 3, steps: int = 8) -> Forw
             off = cache[0].offset
             mx.eval(model(tokens[:, off:off + 1], cache))
         decode = [[_best(lambda c=c: step(c), 1) for c in caches] for _ in range(steps)]  # interleaved
-    seconds = tuple(float(t) for t in np.min(runs[1:], axis=0))
     d_lo, d_hi = np.min(decode, axis=0)
-    return ForwardTiming(roofline.shape_from_args(SHIPPED_MODEL.stem, model.args), lengths, seconds,
+    return ForwardTiming(roofline.shape_from_args(SHIPPED_MODEL.stem, model.args), tuple(lengths), tuple(seconds),
                          contexts, (float(d_lo), float(d_hi)))
 
 

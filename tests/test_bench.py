@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import math
 
+import mlx.core as mx
 import pytest
 
-from ref_impl.bench import bench_decode, write_results
+from ref_impl import gguf
+from ref_impl.bench import bench_decode, forward_sweep, write_results
+from ref_impl.model import load_model
 
 
 @pytest.fixture(scope="module")
@@ -40,3 +43,12 @@ def test_results_file_has_the_one_shape(records, tmp_path):
     assert set(doc) == {"schema", "date", "git", "command", "machine", "records"}
     assert {"label", "cpu", "cores", "gpu", "backend", "mlx", "python", "blas"} <= set(doc["machine"])
     assert doc["records"] == records
+
+
+def test_forward_sweep_times_each_length_and_respects_its_budget(random_llama):
+    with gguf.read(random_llama) as f:
+        model = load_model(f, mx.float32)
+    lengths, seconds = forward_sweep(model, [1, 2, 4, 8], repeats=2)
+    assert lengths == [1, 2, 4, 8] and all(s > 0 for s in seconds)
+    # a budget of zero still times the first length, then stops
+    assert forward_sweep(model, [1, 2, 4, 8], repeats=1, budget_s=0.0)[0] == [1]
