@@ -222,8 +222,15 @@ def bench_decode(path: Path, prompt_len: int = 128, gen_tokens: int = 128, repea
 
 
 def _git_commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return out.stdout.strip() if out.returncode == 0 else "unknown"
+    """The commit of the code that ran: git's answer, or REF_IMPL_GIT where the tree has no .git
+    (a copy on a lent GPU machine)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        if out.returncode == 0:
+            return out.stdout.strip()
+    except OSError:
+        pass
+    return os.environ.get("REF_IMPL_GIT", "unknown")
 
 
 def write_results(records: list[dict], out_dir: Path, command: str, label: str | None = None) -> Path:
