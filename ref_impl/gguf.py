@@ -278,11 +278,11 @@ class GGUFFile:
             return self.array(name).astype(np.float32)
         if info.type is GGMLType.BF16:  # bf16 is the top half of a float32
             return (self.array(name).astype(np.uint32) << 16).view(np.float32)
-        if info.type is GGMLType.Q8_0:
-            from ref_impl.kquants import dequantize_q8_0  # imported here: kquants builds on this module
-            return dequantize_q8_0(self.array(name)).reshape(info.shape)
-        raise GGUFError(f"unsupported type {info.type.name} for tensor {name!r}: "
-                        "dequantize handles F32, F16, BF16 and Q8_0")
+        from ref_impl.kquants import DEQUANTIZE  # imported here: kquants builds on this module
+        if info.type.name in DEQUANTIZE:
+            return DEQUANTIZE[info.type.name](self.array(name)).reshape(info.shape)
+        raise GGUFError(f"unsupported type {info.type.name} for tensor {name!r}: dequantize handles "
+                        f"F32, F16, BF16 and {', '.join(DEQUANTIZE)}")
 
     def close(self) -> None:
         """Drop the map. Views still alive keep their pages mapped until they are garbage-collected."""

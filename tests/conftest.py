@@ -30,6 +30,8 @@ def write_random_llama(path: Path, vocab=97, dim=64, layers=2, heads=4, kv_heads
     def add_matrix(name, m):
         if qtype is None:
             w.add_tensor(name, m)
+        elif qtype.name in ("Q4_K", "Q6_K"):  # the gguf package has no K-quant quantizer: random blocks
+            w.add_tensor(name, random_kquant_blocks(qtype.name, *m.shape, rng), raw_dtype=qtype)
         else:
             w.add_tensor(name, gguf.quants.quantize(m, qtype), raw_dtype=qtype)
 
@@ -63,6 +65,17 @@ def write_random_llama(path: Path, vocab=97, dim=64, layers=2, heads=4, kv_heads
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def random_kquant_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random Q4_K or Q6_K rows (rows, cols // 256 * block bytes) whose fp16 scales are small and
+    finite, so they decode to weights of a plausible size."""
+    # Q4_K: |x| <= d * 63 * 15 + dmin * 63;  Q6_K: |x| <= d * 128 * 32
+    block_bytes, scale_at, d_max = {"Q4_K": (144, (0, 2), 1e-3), "Q6_K": (210, (208,), 2e-4)}[type_name]
+    blocks = rng.integers(0, 256, (rows * cols // 256, block_bytes), dtype=np.uint8)
+    for at in scale_at:   # d (and Q4_K's dmin)
+        blocks[:, at:at + 2] = rng.uniform(d_max / 4, d_max, (len(blocks), 1)).astype("<f2").view(np.uint8)
+    return blocks.reshape(rows, -1)
 
 
 @pytest.fixture(scope="session")

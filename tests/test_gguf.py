@@ -575,11 +575,11 @@ def test_missing_file_and_directory(tmp_path):
 
 
 def test_known_but_unsupported_type_reads_raw_and_refuses_to_dequantize(tmp_path):
-    path = tmp_path / "q4k.gguf"
-    write(path, {}, {"w": TensorData(GGMLType.Q4_K, (2, 256), bytes(288))})
+    path = tmp_path / "q5k.gguf"
+    write(path, {}, {"w": TensorData(GGMLType.Q5_K, (2, 256), bytes(352))})
     with read(path) as f:
-        assert f.array("w").shape == (2, 144)
-        with pytest.raises(GGUFError, match="unsupported type Q4_K"):
+        assert f.array("w").shape == (2, 176)
+        with pytest.raises(GGUFError, match="unsupported type Q5_K"):
             f.dequantize("w")
         with pytest.raises(KeyError, match="no tensor named 'x'"):
             f.array("x")

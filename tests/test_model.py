@@ -34,10 +34,12 @@ def test_forward_matches_numpy(tmp_path, variant):
     assert np.abs(ours - ref).max() <= 1e-4
 
 
-@pytest.mark.parametrize("weight_type", ["F16", "BF16", "Q8_0"])
+@pytest.mark.parametrize("weight_type", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K"])
 def test_stored_weight_types_load(tmp_path, weight_type):
-    """F16, BF16 and Q8_0 matrices (as llama.cpp's converter writes them) load and compute right."""
-    path = write_random_llama(tmp_path / "m.gguf", weight_type=weight_type, tied=False)
+    """F16, BF16, Q8_0 and the types of a Q4_K_M file load (expanded to floats) and compute right."""
+    kquant = weight_type in ("Q4_K", "Q6_K")   # rows of 256 values
+    path = write_random_llama(tmp_path / "m.gguf", weight_type=weight_type, tied=False,
+                              **({"dim": 256, "ff": 512, "heads": 4, "kv_heads": 2} if kquant else {}))
     with gguf.read(path) as f:
         assert f.tensors["blk.0.attn_q.weight"].type.name == weight_type
     assert np.abs(mlx_logits(path, TOKENS) - np_forward(*np_load(path), TOKENS)).max() <= 1e-4
