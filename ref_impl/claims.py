@@ -155,19 +155,11 @@ def recorded(experiment: str, model: str) -> list[tuple[str, dict, dict]]:
 
 # ---- arithmetic the checks share --------------------------------------------------------------------
 
-def matrices(shape: roofline.ModelShape) -> list[tuple[int, int]]:
-    """(in, out) of every matrix a token passes through: q, k, v, o, gate, up, down per layer, LM head."""
-    d, f = shape.hidden_size, shape.intermediate_size
-    q, kv = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
-    return [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)] * shape.num_hidden_layers + [
-        (d, shape.vocab_size)]
-
-
 def model_intensity(shape: roofline.ModelShape, n_tokens: int, bits: float = 16, act_bytes: float = 2) -> float:
     """FLOP per byte of all of a model's matmuls on n tokens at once (weights and activations moved)."""
-    mats = matrices(shape)
-    flops = sum(2 * n_tokens * k * m for k, m in mats)
-    return flops / sum(k * m * bits / 8 + n_tokens * (k + m) * act_bytes for k, m in mats)
+    flops, nbytes = zip(*(roofline.matmul_cost(n_tokens, k, m, bits, act_bytes)
+                          for k, m in roofline.matmul_shapes(shape)))
+    return sum(flops) / sum(nbytes)
 
 
 def tokens_to_reach(shape: roofline.ModelShape, intensity: float, bits: float = 16) -> int:
@@ -208,7 +200,7 @@ _TABLES = "roofline.HARDWARE (vendor datasheets), roofline.MODELS (config.json)"
 def check_c27(live: bool) -> Verdict:
     """Decode GEMVs: their intensity in real shapes against every sourced ridge point; live GEMV rates."""
     names = ("Llama-3.2-1B", "Llama-3.1-8B", "Qwen3-32B")
-    each = [roofline.matmul_intensity(1, k, m, 16) for n in names for k, m in matrices(roofline.MODELS[n])]
+    each = [roofline.matmul_intensity(1, k, m, 16) for n in names for k, m in roofline.matmul_shapes(roofline.MODELS[n])]
     ridges = {hw.name: roofline.ridge_point(hw) for hw in RIDGED}
     lo, hi = min(ridges.values()), max(ridges.values())
     ev = {"GEMV intensity, Llama-3.1-8B, 16-bit": Number(model_intensity(LLAMA8B, 1), "FLOP/byte"),

@@ -167,11 +167,17 @@ def shape_from_args(name: str, args: ModelArgs) -> ModelShape:
                       args.head_dim, args.tie_word_embeddings, "ref_impl.model.ModelArgs")
 
 
+def matmul_shapes(shape: ModelShape) -> list[tuple[int, int]]:
+    """(in, out) of every matrix a token passes through: q, k, v, o, gate, up, down per layer, LM head."""
+    d, f = shape.hidden_size, shape.intermediate_size
+    q, kv = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
+    return [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)] * shape.num_hidden_layers + [
+        (d, shape.vocab_size)]
+
+
 def matmul_params(shape: ModelShape) -> int:
     """Weights multiplied by every token: attention and MLP matrices of each layer, and the LM head."""
-    d, hd = shape.hidden_size, shape.head_dim
-    attn = d * hd * (2 * shape.num_attention_heads + 2 * shape.num_key_value_heads)
-    return shape.num_hidden_layers * (attn + 3 * d * shape.intermediate_size) + shape.vocab_size * d
+    return sum(k * m for k, m in matmul_shapes(shape))
 
 
 def param_count(shape: ModelShape) -> int:
@@ -249,8 +255,13 @@ def matmul_intensity(n_tokens: int, k: int, m: int, bits_per_weight: float = 16,
 
     n = 1 is decode's GEMV, ~1 FLOP/byte at 16 bits (C27); n in the hundreds is prefill's GEMM (C26).
     """
-    nbytes = k * m * bits_per_weight / 8 + (n_tokens * k + n_tokens * m) * act_bytes
-    return arithmetic_intensity(2 * n_tokens * k * m, nbytes)
+    return arithmetic_intensity(*matmul_cost(n_tokens, k, m, bits_per_weight, act_bytes))
+
+
+def matmul_cost(n_tokens: int, k: int, m: int, bits_per_weight: float = 16,
+                act_bytes: float = 2) -> tuple[float, float]:
+    """(FLOPs, bytes) of (n_tokens x k) @ (k x m): weights read once, input and output activations moved."""
+    return 2 * n_tokens * k * m, k * m * bits_per_weight / 8 + (n_tokens * k + n_tokens * m) * act_bytes
 
 
 def forward_time(hw: Hardware, shape: ModelShape, bits_per_weight: float, n_tokens: int,
