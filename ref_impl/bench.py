@@ -111,10 +111,8 @@ def _repeat(make_stream: Callable[[], Iterator], n: int, repeats: int) -> list:
     return [_time_tokens(make_stream(), n) for _ in range(repeats)]
 
 
-def ours(path: Path, prompt: list[int], n: int, repeats: int, pipeline: bool) -> list:
-    """Our decoder on the GGUF file."""
-    with gguf.read(path) as f:
-        model = load_model(f, mx.float32)
+def ours(model: Model, prompt: list[int], n: int, repeats: int, pipeline: bool) -> list:
+    """Our decoder."""
 
     def stream():
         cache = model.make_cache(len(prompt) + n)
@@ -122,13 +120,11 @@ def ours(path: Path, prompt: list[int], n: int, repeats: int, pipeline: bool) ->
     return _repeat(stream, n, repeats)
 
 
-def mlx_lm_peer(path: Path, prompt: list[int], n: int, repeats: int) -> list:
-    """mlx-lm's Llama on the same weights (converted from the GGUF, float32)."""
+def mlx_lm_peer(ours_model: Model, prompt: list[int], n: int, repeats: int) -> list:
+    """mlx-lm's Llama on the same weights (our model's arrays, under mlx-lm's parameter names)."""
     from mlx_lm.generate import generate_step as mlx_lm_generate_step
     from mlx_lm.models import llama
 
-    with gguf.read(path) as f:
-        ours_model = load_model(f, mx.float32)
     a = ours_model.args
     model = llama.Model(llama.ModelArgs(
         model_type="llama", hidden_size=a.hidden_size, num_hidden_layers=a.num_hidden_layers,
@@ -192,18 +188,18 @@ def bench_decode(path: Path, prompt_len: int = 128, gen_tokens: int = 128, repea
         raise ValueError(f"bench needs prompt_len >= 1, gen_tokens >= 2 (a decode speed takes two "
                          f"token times) and repeats >= 1; got {prompt_len}, {gen_tokens}, {repeats}")
     with gguf.read(path) as f:
-        args = ModelArgs.from_gguf(f.metadata, f.tensors)   # a llama file, or a clear error
+        context = ModelArgs.from_gguf(f.metadata, f.tensors).max_position_embeddings  # a llama file, or a clear error
+        if prompt_len + gen_tokens > context:
+            raise ValueError(f"prompt_len {prompt_len} + gen_tokens {gen_tokens} exceeds the model's "
+                             f"context length ({context})")
         weights = f.tensors.get("blk.0.attn_q.weight", f.tensors["token_embd.weight"]).type.name
         name = f.metadata.get("general.name", path.stem)
-    if prompt_len + gen_tokens > args.max_position_embeddings:
-        raise ValueError(f"prompt_len {prompt_len} + gen_tokens {gen_tokens} exceeds the model's "
-                         f"context length ({args.max_position_embeddings})")
-    vocab = args.vocab_size
-    prompt = np.random.default_rng(seed).integers(1, vocab, size=prompt_len).tolist()
-    runs = {("ours", "sync"): ours(path, prompt, gen_tokens, repeats, pipeline=False),
-            ("ours", "async_eval"): ours(path, prompt, gen_tokens, repeats, pipeline=True)}
+        model = load_model(f, mx.float32)
+    prompt = np.random.default_rng(seed).integers(1, model.args.vocab_size, size=prompt_len).tolist()
+    runs = {("ours", "sync"): ours(model, prompt, gen_tokens, repeats, pipeline=False),
+            ("ours", "async_eval"): ours(model, prompt, gen_tokens, repeats, pipeline=True)}
     if peers:
-        runs[("mlx-lm " + _package_version("mlx-lm"), "default")] = mlx_lm_peer(path, prompt, gen_tokens, repeats)
+        runs[("mlx-lm " + _package_version("mlx-lm"), "default")] = mlx_lm_peer(model, prompt, gen_tokens, repeats)
         runs[("llama.cpp (llama-cpp-python " + _package_version("llama_cpp_python") + ")", "default")] = \
             llama_cpp_peer(path, prompt, gen_tokens, repeats)
     units = {"tokens_per_s": "tok/s", "prefill_tokens_per_s": "tok/s", "greedy_agreement": "fraction"}
