@@ -1,7 +1,8 @@
-"""Command line: python -m ref_impl generate|inspect|train|bench.
+"""Command line: python -m ref_impl generate|inspect|quantize|train|bench.
 
     python -m ref_impl generate --model models/stdlib-10m.gguf --prompt "def "
     python -m ref_impl inspect models/stdlib-10m.gguf
+    python -m ref_impl quantize models/stdlib-10m.gguf /tmp/stdlib-10m-Q4_K_M.gguf --type Q4_K_M
     python -m ref_impl train --preset stdlib-10m --out models/
     python -m ref_impl bench --model models/stdlib-10m.gguf
 
@@ -15,6 +16,8 @@ import argparse
 import shlex
 import sys
 from pathlib import Path
+
+import numpy as np
 
 from . import gguf
 
@@ -56,6 +59,21 @@ def cmd_inspect(a: argparse.Namespace) -> None:
             print(f"  {r[0]:<{w[0]}}  {r[1]:<{w[1]}}  {r[2]:<{w[2]}}  {r[3]:>{w[3]}}  {r[4]:>{w[4]}}")
         total = sum(t.nbytes for t in f.tensors.values())
         print(f"\n  {len(f.tensors)} tensors, {total / 1e6:.2f} MB of tensor data")
+
+
+def cmd_quantize(a: argparse.Namespace) -> None:
+    from collections import Counter
+
+    from .quantize import quantize_file
+
+    types = quantize_file(a.input, a.output, a.type)
+    with gguf.read(a.input) as src, gguf.read(a.output) as dst:
+        before = sum(t.nbytes for t in src.tensors.values())
+        after = sum(t.nbytes for t in dst.tensors.values())
+        weights = sum(int(np.prod(t.shape)) for t in dst.tensors.values())
+    mix = ", ".join(f"{n} {t}" for t, n in Counter(types.values()).most_common())
+    print(f"wrote {a.output}: {a.type} ({mix} tensors); tensor data {before / 1e6:.2f} MB -> "
+          f"{after / 1e6:.2f} MB, {8 * after / weights:.2f} bits per weight")
 
 
 def cmd_train(a: argparse.Namespace) -> None:
@@ -101,6 +119,13 @@ def parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="print a GGUF file's metadata and tensor table")
     i.add_argument("path")
     i.set_defaults(run=cmd_inspect)
+
+    q = sub.add_parser("quantize", help="quantize a float GGUF model as llama.cpp's llama-quantize does")
+    q.add_argument("input", help="an F32, F16 or BF16 llama GGUF file")
+    q.add_argument("output")
+    q.add_argument("--type", default="Q4_K_M", choices=["Q4_K_M", "Q4_K", "Q6_K", "Q8_0", "Q4_0", "F16", "F32"],
+                   help="a llama.cpp file type; Q4_K is every matrix Q4_K (llama.cpp's --pure Q4_K_S)")
+    q.set_defaults(run=cmd_quantize)
 
     t = sub.add_parser("train", help="train the tokenizer and a model on the standard library")
     t.add_argument("--preset", default="stdlib-10m")

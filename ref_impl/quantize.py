@@ -1,0 +1,154 @@
+"""Whole-model quantization: which GGML type each tensor gets, and a GGUF file in, a GGUF file out.
+
+A "file type" such as Q4_K_M is not one format but a mixture. llama.cpp's `llama-quantize` picks a
+type per tensor (src/llama-quant.cpp, `llama_tensor_get_type_impl`); for the llama architecture
+and the file types below the rules are:
+
+- 1-D tensors (the norms) and anything not ending in "weight" stay as they are (F32).
+- The output matrix gets Q6_K unless the file type is Q8_0. With tied embeddings llama.cpp treats
+  `token_embd` as the output matrix, so it gets Q6_K too; an untied `token_embd` keeps the default.
+- Q4_K_M only: `attn_v` and `ffn_down` get Q6_K in "more bits" layers: the first eighth, the last
+  eighth, and every third layer in between (`use_more_bits(i, n)`: i < n/8, i >= 7n/8, or
+  (i - n/8) % 3 == 2). Everything else is Q4_K.
+- Shape fallback: a K-quant needs rows whose length is a multiple of 256. If it is not, Q4_K falls
+  back to Q5_0 and Q6_K to Q8_0 (blocks of 32); the output rule itself goes straight to Q8_0 (32
+  divides the row, 256 does not). A row that 32 does not divide either becomes F16.
+
+`--type Q4_K` is every matrix in Q4_K with the shape fallback only: llama.cpp's
+`llama-quantize --pure ... Q4_K_S`. The other names are llama.cpp's file types of the same name.
+No importance matrix is used, so the quantizers are llama.cpp's reference ones (`ref_impl.kquants`).
+
+See chapter: super-blocks
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import gguf, kquants
+
+QK_K = 256  # values per K-quant super-block
+
+
+@dataclass(frozen=True)
+class FileType:
+    """One llama.cpp file type: its `general.file_type` id, default tensor type, and mixture rules."""
+    name: str
+    ftype: int          # llama.h LLAMA_FTYPE_*, stored as general.file_type
+    default: str        # GGML type of a matrix without a special rule
+    mixture: bool       # apply llama.cpp's per-tensor rules (False: --pure)
+
+
+FILE_TYPES = {ft.name: ft for ft in (
+    FileType("F32", 0, "F32", False),
+    FileType("F16", 1, "F16", False),
+    FileType("Q8_0", 7, "Q8_0", True),
+    FileType("Q6_K", 18, "Q6_K", True),
+    FileType("Q4_K_M", 15, "Q4_K", True),
+    FileType("Q4_K", 14, "Q4_K", False),    # LLAMA_FTYPE_MOSTLY_Q4_K_S with --pure
+    FileType("Q4_0", 2, "Q4_0", True),
+)}
+QUANTIZATION_VERSION = 2  # ggml.h GGML_QNT_VERSION, written as general.quantization_version
+FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def use_more_bits(i_layer: int, n_layers: int) -> bool:
+    """Q4_K_M's layers that get Q6_K: the first and last eighth, and every third one between."""
+    return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
+
+
+def _block_size(type_name: str) -> int:
+    return gguf.BLOCK[gguf.GGMLType[type_name]][0]
+
+
+def _fallback(type_name: str, row: int) -> str:
+    """The type llama.cpp uses when `row` values do not fill whole blocks of `type_name`."""
+    if row % _block_size(type_name) == 0:
+        return type_name
+    smaller = FALLBACK.get(type_name, type_name)
+    return smaller if row % _block_size(smaller) == 0 else "F16"
+
+
+def llama_order(names) -> list[str]:
+    """Tensor names in the order llama.cpp's loader keeps them (and writes them): names outside the
+    blocks first, then block by block in layer order, each sorted by name. The Q4_K_M counters run in it."""
+    def key(name: str):
+        parts = name.split(".")
+        if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit():
+            return (1, int(parts[1]), name)
+        return (0, 0, name)
+    return sorted(names, key=key)
+
+
+def tensor_types(tensors: dict[str, gguf.TensorInfo], file_type: str) -> dict[str, str]:
+    """The GGML type llama.cpp's `llama-quantize` gives every tensor of a llama model for `file_type`."""
+    if file_type not in FILE_TYPES:
+        raise ValueError(f"unknown file type {file_type!r}; choose one of {', '.join(FILE_TYPES)}")
+    ft = FILE_TYPES[file_type]
+    n_layers = 1 + max((int(n.split(".")[1]) for n in tensors if n.startswith("blk.")), default=-1)
+    n_attn_v = sum("attn_v.weight" in n for n in tensors)
+    tied = "output.weight" not in tensors
+    i_attn_v = 0
+    types = {}
+    for name in llama_order(tensors):
+        info = tensors[name]
+        if len(info.shape) < 2 or not name.endswith("weight") or name.endswith("_norm.weight"):
+            types[name] = info.type.name
+            continue
+        new = ft.default
+        quantized = new not in ("F32", "F16")
+        row = info.shape[-1]
+        if quantized and ft.mixture:  # llama_tensor_get_type_impl, for the llama architecture
+            if name == "output.weight" or (tied and name == "token_embd.weight"):
+                if row % _block_size(new):
+                    new = "Q8_0"
+                elif new != "Q8_0":
+                    new = "Q6_K"
+            elif "attn_v.weight" in name:
+                if ft.name == "Q4_K_M" and use_more_bits(i_attn_v, n_attn_v):
+                    new = "Q6_K"
+                i_attn_v += 1
+            elif "ffn_down" in name and ft.name == "Q4_K_M":
+                if use_more_bits(int(name.split(".")[1]), n_layers):
+                    new = "Q6_K"
+        types[name] = _fallback(new, row) if quantized else new
+    return types
+
+
+def _as_float32(f: gguf.GGUFFile, name: str) -> np.ndarray:
+    info = f.tensors[name]
+    if info.type.name not in ("F32", "F16", "BF16"):
+        raise ValueError(f"tensor {name!r} is already {info.type.name}; quantize from an F32, F16 or "
+                         "BF16 file (requantizing compounds the errors, and llama.cpp refuses it too)")
+    return f.dequantize(name).astype(np.float32)
+
+
+def convert(x: np.ndarray, type_name: str) -> np.ndarray | gguf.TensorData:
+    """A float32 tensor in GGML type `type_name`: a float array, or quantized blocks as TensorData."""
+    if type_name == "F32":
+        return x
+    if type_name == "F16":
+        return x.astype(np.float16)
+    if type_name not in kquants.QUANTIZE:
+        raise ValueError(f"no quantizer for {type_name}; have {', '.join(kquants.QUANTIZE)}")
+    return gguf.TensorData(gguf.GGMLType[type_name], x.shape, kquants.QUANTIZE[type_name](x))
+
+
+def quantize_file(src: str | os.PathLike, dst: str | os.PathLike, file_type: str) -> dict[str, str]:
+    """Write `src` (a float llama GGUF) to `dst` as `file_type`; return each tensor's new type."""
+    with gguf.read(src) as f:
+        types = tensor_types(f.tensors, file_type)
+        meta = dict(f.fields)  # Values with their stored types, so every key round-trips exactly
+        meta["general.file_type"] = gguf.Value(gguf.ValueType.UINT32, FILE_TYPES[file_type].ftype)
+        meta["general.quantization_version"] = gguf.Value(gguf.ValueType.UINT32, QUANTIZATION_VERSION)
+        tensors = {}
+        for name in types:
+            if types[name] == f.tensors[name].type.name:
+                tensors[name] = f.tensor_data(name)
+            else:
+                tensors[name] = convert(_as_float32(f, name), types[name])
+        gguf.write(dst, meta, tensors)
+    return types

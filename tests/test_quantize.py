@@ -1,0 +1,102 @@
+"""Whole-model quantization against llama.cpp's own `llama_model_quantize` (llama-cpp-python).
+
+The oracle is llama.cpp's libllama, whose quantizers live in libggml-base (built for baseline
+x86-64, without fused multiply-add: see tests/ggml_oracle.py). Every tensor must get the type
+llama.cpp picks and the very same bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from ref_impl import gguf, quantize
+from tests.conftest import write_random_llama
+
+
+def llama_cpp_quantize(src, dst, file_type: str) -> None:
+    """Quantize with llama.cpp: our FILE_TYPES name -> its ftype (pure for our 'Q4_K'), one thread."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = quantize.FILE_TYPES[file_type].ftype
+    params.pure = file_type == "Q4_K"
+    params.nthread = 1
+    assert llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) == 0
+
+
+@pytest.fixture(scope="module")
+def models(shipped_model, tmp_path_factory):
+    """The shipped model (rows of 384: K-quants fall back) and random ones whose rows fit 256-blocks:
+    8 tied layers, and 16 untied layers (so use_more_bits picks a non-trivial pattern)."""
+    d = tmp_path_factory.mktemp("quantize")
+    return {"shipped": shipped_model,
+            "tied-8": write_random_llama(d / "tied8.gguf", vocab=300, dim=256, layers=8, heads=4,
+                                         kv_heads=2, ff=512, seed=1),
+            "untied-16": write_random_llama(d / "untied16.gguf", vocab=256, dim=256, layers=16, heads=4,
+                                            kv_heads=1, ff=256, tied=False, seed=2)}
+
+
+@pytest.mark.parametrize("model", ["shipped", "tied-8", "untied-16"])
+@pytest.mark.parametrize("file_type", ["F16", "Q8_0", "Q4_0", "Q6_K", "Q4_K_M", "Q4_K"])
+def test_file_matches_llama_cpp(models, tmp_path, model, file_type):
+    theirs, ours = tmp_path / "llama.cpp.gguf", tmp_path / "ours.gguf"
+    llama_cpp_quantize(models[model], theirs, file_type)
+    types = quantize.quantize_file(models[model], ours, file_type)
+    with gguf.read(theirs) as t, gguf.read(ours) as o:
+        assert list(o.tensors) == list(t.tensors)
+        assert {n: i.type.name for n, i in t.tensors.items()} == types
+        assert {n: i.type.name for n, i in o.tensors.items()} == types
+        for name in t.tensors:
+            assert o.tensors[name].shape == t.tensors[name].shape, name
+            assert np.array_equal(o.array(name).view(np.uint8), t.array(name).view(np.uint8)), name
+        for key in ("general.file_type", "general.quantization_version"):
+            assert o.fields[key] == t.fields[key], key
+
+
+def test_q4_k_m_mixture_on_the_shipped_shapes(models):
+    """Rows of 384 values hold no whole 256-block: the rule's Q4_K becomes Q5_0, its Q6_K Q8_0, and the
+    tied embedding (the output matrix) goes straight to Q8_0; only ffn_down (rows of 1024) stays a K-quant."""
+    with gguf.read(models["shipped"]) as f:
+        types = quantize.tensor_types(f.tensors, "Q4_K_M")
+    n = 6
+    more = [i for i in range(n) if quantize.use_more_bits(i, n)]
+    assert more == [2, 5]                 # n/8 = 0, 7n/8 = 5: layer 5, and (i - 0) % 3 == 2
+    assert types["token_embd.weight"] == "Q8_0"
+    for i in range(n):
+        assert types[f"blk.{i}.ffn_down.weight"] == ("Q6_K" if i in more else "Q4_K")
+        assert types[f"blk.{i}.attn_v.weight"] == ("Q8_0" if i in more else "Q5_0")
+        for m in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"):
+            assert types[f"blk.{i}.{m}.weight"] == "Q5_0"
+        assert types[f"blk.{i}.attn_norm.weight"] == "F32"
+
+
+@pytest.mark.parametrize("n, expected", [(8, [0, 3, 6, 7]), (16, [0, 1, 4, 7, 10, 13, 14, 15]),
+                                         (32, [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31])])
+def test_use_more_bits(n, expected):
+    """Written out by hand from the rule: first eighth, last eighth, every third layer from n/8 + 2."""
+    assert [i for i in range(n) if quantize.use_more_bits(i, n)] == expected
+
+
+def test_row_not_a_multiple_of_32_becomes_f16(tmp_path):
+    """Rows of 40 hold no 32-block either: F16, as llama.cpp does (checked against it too)."""
+    path = write_random_llama(tmp_path / "odd.gguf", vocab=50, dim=64, heads=4, kv_heads=2, ff=40)
+    with gguf.read(path) as f:
+        types = quantize.tensor_types(f.tensors, "Q4_K_M")
+    assert types["blk.0.ffn_down.weight"] == "F16"      # rows of 40
+    assert types["blk.0.ffn_gate.weight"] == "Q5_0"     # rows of 64: 32-blocks fit, 256-blocks do not
+    llama_cpp_quantize(path, tmp_path / "theirs.gguf", "Q4_K_M")
+    with gguf.read(tmp_path / "theirs.gguf") as t:
+        assert {n: i.type.name for n, i in t.tensors.items()} == types
+
+
+def test_bad_requests(models, tmp_path):
+    with pytest.raises(ValueError, match="unknown file type 'Q3_K'"):
+        quantize.quantize_file(models["shipped"], tmp_path / "x.gguf", "Q3_K")
+    quantize.quantize_file(models["tied-8"], tmp_path / "q8.gguf", "Q8_0")
+    with pytest.raises(ValueError, match="already Q8_0; quantize from an F32, F16 or BF16 file"):
+        quantize.quantize_file(tmp_path / "q8.gguf", tmp_path / "q4.gguf", "Q4_K_M")
+    with pytest.raises(gguf.GGUFError):
+        quantize.quantize_file(tmp_path / "missing.gguf", tmp_path / "q4.gguf", "Q4_K_M")
