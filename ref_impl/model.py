@@ -208,7 +208,7 @@ class Model(nn.Module):
         """One pre-allocated KV cache per layer, for up to max_size positions (default: the context length)."""
         a = self.args
         size = max_size or a.max_position_embeddings
-        dtype = self.embed_tokens.weight.dtype
+        dtype = self.norm.weight.dtype  # embed_tokens.weight may be quantized codes
         return [KVCache(batch, a.num_key_value_heads, a.head_dim, size, dtype)
                 for _ in range(a.num_hidden_layers)]
 
@@ -261,39 +261,50 @@ def default_dtype() -> mx.Dtype:
     return mx.float32 if mx.default_device() == mx.cpu else mx.float16
 
 
-def load_model(f: gguf.GGUFFile, dtype: mx.Dtype | None = None) -> Model:
-    """Build a Model from an open GGUF file, weights cast to dtype."""
+def gguf_weight_names(f: gguf.GGUFFile, model: Model) -> dict[str, str]:
+    """GGUF tensor name -> model parameter name for every weight in f, after checking that the file
+    holds exactly the model's tensors in the model's shapes (rope_freqs, read into args, is left out)."""
+    expected = dict(nn.utils.tree_flatten(model.parameters()))
+    names = {}
+    for name, info in f.tensors.items():
+        if name == "rope_freqs.weight":
+            continue
+        mlx_name = gguf_to_mlx_name(name)
+        if mlx_name not in expected:
+            raise ValueError(f"tensor {name!r} does not belong to a {model.args.num_hidden_layers}-layer model")
+        if tuple(info.shape) != tuple(expected[mlx_name].shape):
+            raise ValueError(f"tensor {name!r} has shape {info.shape}, "
+                             f"the model expects {tuple(expected[mlx_name].shape)}")
+        names[name] = mlx_name
+    missing = sorted(set(expected) - set(names.values()))
+    if missing:
+        raise ValueError(f"GGUF file lacks tensors for: {', '.join(missing[:5])}"
+                         + (" ..." if len(missing) > 5 else ""))
+    return names
+
+
+def load_model(f: gguf.GGUFFile, dtype: mx.Dtype | None = None, quantized: bool = False) -> Model:
+    """Build a Model from an open GGUF file, weights cast to dtype; quantized=True keeps quantized
+    tensors quantized (transcode.py: MLX QuantizedLinear layers) instead of expanding them."""
+    if quantized:
+        from . import transcode  # transcode builds on this module
+        return transcode.load_model(f, dtype)
     factors = None
     if "rope_freqs.weight" in f.tensors:
         factors = tuple(f.dequantize("rope_freqs.weight").astype(float).tolist())
     args = ModelArgs.from_gguf(f.metadata, f.tensors, factors)
     dtype = dtype or default_dtype()
     model = Model(args)
-    expected = dict(nn.utils.tree_flatten(model.parameters()))
-    weights = {}
-    for name, info in f.tensors.items():
-        if name == "rope_freqs.weight":
-            continue
-        mlx_name = gguf_to_mlx_name(name)
-        if mlx_name not in expected:
-            raise ValueError(f"tensor {name!r} does not belong to a {args.num_hidden_layers}-layer model")
-        if tuple(info.shape) != tuple(expected[mlx_name].shape):
-            raise ValueError(f"tensor {name!r} has shape {info.shape}, "
-                             f"the model expects {tuple(expected[mlx_name].shape)}")
-        weights[mlx_name] = _to_mlx(f, name, dtype)
-    missing = sorted(set(expected) - set(weights))
-    if missing:
-        raise ValueError(f"GGUF file lacks tensors for: {', '.join(missing[:5])}"
-                         + (" ..." if len(missing) > 5 else ""))
-    model.load_weights(list(weights.items()))
+    names = gguf_weight_names(f, model)
+    model.load_weights([(mlx_name, _to_mlx(f, name, dtype)) for name, mlx_name in names.items()])
     mx.eval(model.parameters())
     return model
 
 
-def load(path: str | Path, dtype: mx.Dtype | None = None) -> tuple[Model, Tokenizer]:
-    """Load a llama-architecture GGUF file: the model and its tokenizer."""
+def load(path: str | Path, dtype: mx.Dtype | None = None, quantized: bool = False) -> tuple[Model, Tokenizer]:
+    """Load a llama-architecture GGUF file: the model and its tokenizer (quantized: see load_model)."""
     with gguf.read(path) as f:
-        return load_model(f, dtype), Tokenizer.from_gguf_metadata(f.metadata)
+        return load_model(f, dtype, quantized), Tokenizer.from_gguf_metadata(f.metadata)
 
 
 def save(model: Model, tokenizer: Tokenizer, path: str | Path, metadata: dict[str, Any] | None = None) -> None:

@@ -1,0 +1,447 @@
+"""GGML blocks rewritten as MLX affine quantization, so a GGUF file runs without expanding to floats.
+
+MLX's affine format (`mx.quantize`) stores a matrix (out, in) as three arrays: `weight`, the
+unsigned b-bit codes q packed into uint32 words as one little-endian bit stream (value 0 in the
+lowest bits), and `scales`, `biases` of shape (out, in / group), so that
+
+    w = scales[g] * q + biases[g]          for the `group` consecutive inputs of group g
+
+Most GGML blocks are already this shape: a 32-value (sub-)block with one scale and one offset. So
+the codes are re-packed, never re-rounded, and `nn.Linear`/`nn.Embedding` become
+`nn.QuantizedLinear`/`nn.QuantizedEmbedding` with per-layer bits (a Q4_K_M file mixes types).
+
+    GGML   MLX affine     scale      bias        codes
+    Q4_0   4-bit g32      d          -8 d        as stored (0..15)
+    Q4_1   4-bit g32      d          m           as stored
+    Q5_0   5-bit g32      d          -16 d       4 low bits | 5th bit from qh
+    Q5_1   5-bit g32      d          m           as Q5_0
+    Q8_0   8-bit g32      d          -128 d      int8 q + 128 (the sign bit flipped)
+    Q4_K   4-bit g32      d sc[j]    -dmin m[j]  nibbles re-ordered (below)
+    Q5_K   5-bit g32      d sc[j]    -dmin m[j]  as Q4_K plus the 5th bit from qh
+    Q6_K   8-bit g32      d t        d vmin      re-quantized (below)
+
+Nibble order: in each 32-byte chunk of Q4_K (16 bytes of Q4_0) the low nibbles are the first
+half of a span of values and the high nibbles the second half; MLX wants values 2k and 2k+1 in
+one byte, so every byte is rebuilt from two source bytes (`nibbles_to_mlx`).
+
+Exactness, measured by `transcode_error` (tests/test_transcode.py checks every claim):
+with float32 scales, all types but Q6_K decode bit-for-bit as `kquants` decodes them (max diff
+0.0): the products d*sc (17 significand bits) and d*sc*q (21) are exact in float32, so MLX's
+`scales * q + biases` rounds once, where kquants' `scale * q - offset` rounds. With float16 scales
+(a float16 model on a GPU; `mx.quantized_matmul` accepts float32 scales with float16 activations
+but then returns float32, silently turning the residual stream float32) d*sc and dmin*m are
+rounded to 11 bits: Q4_K and Q5_K weights move by up to ~2^-12 of the group's range, Q4_0, Q5_0
+and Q8_0 only by the float16 rounding of each output value (their scale and bias are exact).
+
+Q6_K has 16-value sub-blocks with int8 scales s[j] and MLX has no group 16, so each group of 32
+spans two scales. Its exact values are integers v = s[j] q in units of d (|v| <= 4096), re-quantized
+to 8 bits over [vmin, vmax] of the group: with step g, the gcd of the two scales, when 255 steps of g
+span the group (then it is exact: equal scales always are), else with min-max's step span / 255,
+error <= step / 2. Measured on the shipped model's llama.cpp Q4_K_M (ffn_down of layers 2 and 5):
+max error 1.0e-3 (weights up to 0.44), at most 0.41 of the value's Q6_K step; RMS 0.25 of the error
+Q6_K itself adds, so the error against the float weights grows by 3.2%; 3% of groups are exact.
+The alternative, floats, is exact but costs 16 bits per weight against 9 (8-bit codes, float16
+scale and bias per 32), and Q6_K is most of a Q4_K_M model's output matrix, so 8 bits it is.
+Types with no native mapping (Q2_K, Q3_K with 16-value sub-blocks, the IQ codebooks) fall back to
+floats, and `plan` says so per tensor.
+
+References: MLX `mx.quantize` docs (affine mode); llama.cpp ggml-quants.c `dequantize_row_q4_K`,
+`dequantize_row_q5_K`, `dequantize_row_q6_K`; block layouts in kquants.py.
+See chapter: k-quants
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from . import gguf, kquants
+from .model import Model, ModelArgs, default_dtype, gguf_weight_names
+
+GROUP = 32   # every mapping uses MLX group 32: the GGML (sub-)block size
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Affine:
+    """One matrix in MLX's affine layout; scales and biases float32 (cast on load)."""
+    weight: np.ndarray   # uint32 (out, in * bits / 32)
+    scales: np.ndarray   # float32 (out, in / group)
+    biases: np.ndarray   # float32 (out, in / group)
+    bits: int
+    group_size: int = GROUP
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one GGUF tensor is represented in MLX: a row of the table `inspect` and the book show."""
+    name: str               # GGUF tensor name
+    ggml_type: str
+    shape: tuple[int, ...]
+    bits: int | None        # MLX affine bits; None: kept as float
+    reason: str
+
+    @property
+    def representation(self) -> str:
+        return f"affine {self.bits}-bit g{GROUP}" if self.bits else "float"
+
+    def bits_per_weight(self, scale_bits: int = 16, float_bits: int = 16) -> float:
+        """Stored bits per weight: codes plus one scale and one bias per group."""
+        return self.bits + 2 * scale_bits / GROUP if self.bits else float(float_bits)
+
+
+# --- packing -------------------------------------------------------------------------------------
+
+def pack(q: np.ndarray, bits: int) -> np.ndarray:
+    """Unsigned codes (rows, n), each < 2**bits, to MLX's layout: one little-endian bit stream per
+    row, as uint32 (rows, n * bits / 32). n must be a multiple of 32."""
+    rows, n = q.shape
+    if bits == 8:
+        return np.ascontiguousarray(q, dtype=np.uint8).view("<u4")
+    if bits == 4:
+        q = q.astype(np.uint8, copy=False).reshape(rows, -1, 2)
+        return np.ascontiguousarray(q[:, :, 0] | (q[:, :, 1] << 4)).view("<u4")
+    # 8 codes fill exactly `bits` bytes: shift them into one uint64 and keep its low bytes
+    shifts = np.arange(8, dtype=np.uint64) * np.uint64(bits)
+    words = (q.reshape(rows, -1, 8).astype(np.uint64) << shifts).sum(axis=2, dtype=np.uint64)
+    return np.ascontiguousarray(words.view(np.uint8).reshape(rows, -1, 8)[:, :, :bits]).reshape(rows, -1).view("<u4")
+
+
+def nibbles_to_mlx(qs: np.ndarray) -> np.ndarray:
+    """GGML nibble order to MLX's: bytes (..., m) whose low nibbles are values 0..m-1 and high nibbles
+    values m..2m-1 of a span -> bytes (..., m) holding values 2k, 2k+1 in byte k (low nibble first)."""
+    even, odd = qs[..., 0::2], qs[..., 1::2]
+    low_half = (even & 0x0F) | (odd << 4)        # values 0..m-1
+    high_half = (even >> 4) | (odd & 0xF0)       # values m..2m-1
+    return np.concatenate([low_half, high_half], axis=-1)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Two bytes per block (n, 2) as float32 (n, 1)."""
+    return np.ascontiguousarray(b).view("<f2").astype(np.float32)
+
+
+def _high_bits(qh: np.ndarray, n: int) -> np.ndarray:
+    """Bit i of little-endian uint32 qh (blocks, 1) for i < n, as uint8 (blocks, n)."""
+    return ((qh >> np.arange(n, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+# Each repacker takes uint8 blocks (rows, row_bytes) and returns codes as uint32 (rows, n*bits/32)
+# plus float32 scales and biases (rows, n / 32).
+
+def repack_q4_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rows = b.shape[0]
+    b = b.reshape(rows, -1, 18)                                     # (rows, blocks, 18)
+    d = _f16(b[:, :, 0:2].reshape(-1, 2)).reshape(rows, -1)
+    w = nibbles_to_mlx(b[:, :, 2:]).reshape(rows, -1).view("<u4")
+    return w, d, -8 * d
+
+
+def repack_q4_1(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rows = b.shape[0]
+    b = b.reshape(rows, -1, 20)
+    d = _f16(b[:, :, 0:2].reshape(-1, 2)).reshape(rows, -1)
+    m = _f16(b[:, :, 2:4].reshape(-1, 2)).reshape(rows, -1)
+    return nibbles_to_mlx(b[:, :, 4:]).reshape(rows, -1).view("<u4"), d, m
+
+
+def _q5_codes(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1: 32 codes per block from qh (blocks, 4) and qs (blocks, 16)."""
+    high = _high_bits(np.ascontiguousarray(qh).view("<u4"), 32)
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+    return low | (high << 4)
+
+
+def repack_q5_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rows = b.shape[0]
+    blk = b.reshape(-1, 22)
+    d = _f16(blk[:, 0:2]).reshape(rows, -1)
+    q = _q5_codes(blk[:, 2:6], blk[:, 6:]).reshape(rows, -1)
+    return pack(q, 5), d, -16 * d
+
+
+def repack_q5_1(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rows = b.shape[0]
+    blk = b.reshape(-1, 24)
+    d, m = _f16(blk[:, 0:2]).reshape(rows, -1), _f16(blk[:, 2:4]).reshape(rows, -1)
+    return pack(_q5_codes(blk[:, 4:8], blk[:, 8:]).reshape(rows, -1), 5), d, m
+
+
+def repack_q8_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rows = b.shape[0]
+    b = b.reshape(rows, -1, 34)
+    d = _f16(b[:, :, 0:2].reshape(-1, 2)).reshape(rows, -1)
+    w = (b[:, :, 2:] ^ 0x80).reshape(rows, -1).view("<u4")          # int8 q -> q + 128
+    return w, d, -128 * d
+
+
+def _k_scales(blk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K super-blocks (n, bytes) -> per sub-block scale d*sc and bias -dmin*m, (n, 8) each."""
+    d, dmin = _f16(blk[:, 0:2]), _f16(blk[:, 2:4])
+    sc, mn = kquants.unpack_scales_q4_k(blk[:, 4:16])
+    return d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
+
+
+def repack_q4_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rows = b.shape[0]
+    blk = b.reshape(-1, 144)
+    scale, bias = _k_scales(blk)
+    # 4 chunks of 32 bytes, each two sub-blocks of 32: the low nibbles, then the high ones
+    w = nibbles_to_mlx(blk[:, 16:].reshape(-1, 4, 32)).reshape(rows, -1).view("<u4")
+    return w, scale.reshape(rows, -1), bias.reshape(rows, -1)
+
+
+def repack_q5_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """block_q5_K = { d, dmin: fp16, scales: uint8[12], qh: uint8[32], qs: uint8[128] }, 176 bytes:
+    as Q4_K, and value l of sub-block j takes its 5th bit from bit j of qh[l]."""
+    rows = b.shape[0]
+    blk = b.reshape(-1, 176)
+    scale, bias = _k_scales(blk)
+    qs = blk[:, 48:].reshape(-1, 4, 1, 32)
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)         # (n, sub-block, l)
+    high = (blk[:, None, 16:48] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
+    q = (low | (high << 4)).reshape(rows, -1)
+    return pack(q, 5), scale.reshape(rows, -1), bias.reshape(rows, -1)
+
+
+def q6_k_integers(blk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K super-blocks (n, 210) -> the exact values in units of d: int16 s[j]*q (n, 256), and d (n, 1)."""
+    ql = blk[:, 0:128].reshape(-1, 2, 64)
+    qh = blk[:, 128:192].reshape(-1, 2, 32)
+    # value 128*h + 32*k + l: 4 low bits from ql, 2 high bits from qh (as kquants.dequantize_q6_k)
+    low = np.stack([ql[:, :, :32] & 0x0F, ql[:, :, 32:] & 0x0F, ql[:, :, :32] >> 4, ql[:, :, 32:] >> 4], axis=2)
+    high = np.stack([(qh >> (2 * k)) & 3 for k in range(4)], axis=2)
+    q = (low | (high << 4)).astype(np.int16) - 32                     # (n, 2, 4, 32)
+    s = blk[:, 192:208].view(np.int8).astype(np.int16).reshape(-1, 2, 4, 2, 1)
+    v = (q.reshape(-1, 2, 4, 2, 16) * s).reshape(-1, 256)
+    return v, _f16(blk[:, 208:210])
+
+
+def repack_q6_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Re-quantize Q6_K to 8-bit g32 on an integer grid (module docstring): exact when the group's
+    range divided by the gcd of its two scales is <= 255."""
+    rows = b.shape[0]
+    blk = b.reshape(-1, 210)
+    v, d = q6_k_integers(blk)
+    v = v.reshape(-1, 8, 32)                                          # (n, group, 32)
+    s = blk[:, 192:208].view(np.int8).astype(np.int16).reshape(-1, 8, 2)
+    g = np.maximum(np.gcd(s[:, :, 0], s[:, :, 1]), 1)                 # every value is a multiple of g
+    vmin, vmax = v.min(axis=2), v.max(axis=2)
+    span = (vmax - vmin).astype(np.float32)
+    # step g keeps every value when 255 codes of g span the group; else min-max's span / 255
+    t = np.where(span <= 255 * g, g.astype(np.float32), span / 255)  # (n, 8) in units of d
+    code = np.floor((v - vmin[:, :, None]) / t[:, :, None] + 0.5)    # round half up
+    q = np.clip(code, 0, 255).astype(np.uint8).reshape(rows, -1)
+    scale = (d * t).reshape(rows, -1)
+    bias = (d * vmin).reshape(rows, -1)
+    return pack(q, 8), scale.astype(np.float32), bias.astype(np.float32)
+
+
+REPACK = {gguf.GGMLType.Q4_0: (4, repack_q4_0), gguf.GGMLType.Q4_1: (4, repack_q4_1),
+          gguf.GGMLType.Q5_0: (5, repack_q5_0), gguf.GGMLType.Q5_1: (5, repack_q5_1),
+          gguf.GGMLType.Q8_0: (8, repack_q8_0), gguf.GGMLType.Q4_K: (4, repack_q4_k),
+          gguf.GGMLType.Q5_K: (5, repack_q5_k), gguf.GGMLType.Q6_K: (8, repack_q6_k)}
+FLOAT_TYPES = (gguf.GGMLType.F32, gguf.GGMLType.F16, gguf.GGMLType.BF16)
+FLOAT_NAMES = {t.name for t in FLOAT_TYPES}
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="transcode")
+    return _POOL
+
+
+def transcode_tensor(name: str, type: gguf.GGMLType, data: np.ndarray, shape: tuple[int, ...]) -> Affine:
+    """Rewrite one 2-D GGML tensor's blocks (uint8 (rows, row_bytes), as GGUFFile.array gives them)
+    as MLX affine arrays. Large tensors are cut into row chunks repacked on all cores (numpy
+    releases the GIL). Raises ValueError naming the tensor if it has no mapping or its rows are
+    not whole groups."""
+    if type not in REPACK:
+        raise ValueError(f"tensor {name!r}: {type.name} has no MLX affine mapping")
+    if len(shape) != 2:
+        raise ValueError(f"tensor {name!r}: only matrices are transcoded, got shape {shape}")
+    rows, n = shape
+    if n % GROUP:
+        raise ValueError(f"tensor {name!r}: row length {n} is not a multiple of the group size {GROUP}")
+    block_values, block_bytes = gguf.BLOCK[type]
+    if n % block_values or data.shape != (rows, n // block_values * block_bytes):
+        raise ValueError(f"tensor {name!r}: {type.name} data of shape {data.shape} does not hold "
+                         f"a ({rows}, {n}) matrix")
+    bits, repack = REPACK[type]
+    weight = np.empty((rows, n * bits // 32), np.uint32)
+    scales, biases = np.empty((rows, n // GROUP), np.float32), np.empty((rows, n // GROUP), np.float32)
+
+    def run(lo: int, hi: int) -> None:
+        weight[lo:hi], scales[lo:hi], biases[lo:hi] = repack(data[lo:hi])
+
+    chunk = max(1, (4 << 20) // data.shape[1])                        # ~4 MB of blocks a chunk
+    if rows <= chunk:
+        run(0, rows)
+    else:
+        list(_pool().map(lambda lo: run(lo, min(lo + chunk, rows)), range(0, rows, chunk)))
+    return Affine(weight, scales, biases, bits)
+
+
+# --- the model -----------------------------------------------------------------------------------
+
+def plan(f: gguf.GGUFFile) -> dict[str, Plan]:
+    """Which MLX representation each tensor gets, and why; reads no tensor data."""
+    out = {}
+    for name, info in f.tensors.items():
+        t = info.type
+        if t in FLOAT_TYPES:
+            bits, reason = None, f"{t.name} is a float type"
+        elif len(info.shape) != 2:
+            bits, reason = None, "vectors (norms, rope factors) stay float"
+        elif t in REPACK:
+            bits = REPACK[t][0]
+            reason = ("re-quantized from 16-value sub-blocks (MLX has no group 16)" if t is gguf.GGMLType.Q6_K
+                      else "codes re-packed, exact")
+        else:
+            bits, reason = None, f"no MLX affine mapping for {t.name}: expanded to float"
+        out[name] = Plan(name, t.name, tuple(info.shape), bits, reason)
+    return out
+
+
+def load_model(f: gguf.GGUFFile, dtype: mx.Dtype | None = None, scale_dtype: mx.Dtype | None = None
+               ) -> Model:
+    """Build a Model whose quantized matrices stay quantized: QuantizedLinear/QuantizedEmbedding with
+    the file's bits, everything else float in `dtype`.
+
+    Args:
+        dtype: float type of activations, norms and float tensors (default: model.default_dtype()).
+        scale_dtype: type of the affine scales and biases (default: dtype). float32 makes every
+            mapping but Q6_K exact; with float16 activations it also makes matmuls return float32.
+    Returns the model; `plan(f)` gives the table of what became what.
+    """
+    dtype = dtype or default_dtype()
+    scale_dtype = scale_dtype or dtype
+    factors = None
+    if "rope_freqs.weight" in f.tensors:
+        factors = tuple(f.dequantize("rope_freqs.weight").astype(float).tolist())
+    args = ModelArgs.from_gguf(f.metadata, f.tensors, factors)
+    model = Model(args)
+    names = gguf_weight_names(f, model)                               # gguf name -> mlx parameter
+    modules = dict(model.named_modules())
+    table = plan(f)
+    fallbacks = sorted({p.ggml_type for p in table.values()
+                        if p.bits is None and len(p.shape) == 2 and p.ggml_type not in FLOAT_NAMES})
+    if fallbacks:
+        log.warning("no MLX affine mapping for %s: those tensors are expanded to %s", ", ".join(fallbacks), dtype)
+    swaps, weights = [], []
+    for name, mlx_name in names.items():
+        p, info = table[name], f.tensors[name]
+        if p.bits is None:
+            weights.append((mlx_name, _float(f, name, dtype)))
+            continue
+        a = transcode_tensor(name, info.type, f.array(name), info.shape)
+        path = mlx_name.rsplit(".", 1)[0]
+        rows, n = info.shape
+        if isinstance(modules[path], nn.Embedding):
+            q = nn.QuantizedEmbedding(rows, n, group_size=a.group_size, bits=a.bits)
+        else:
+            q = nn.QuantizedLinear(n, rows, bias=False, group_size=a.group_size, bits=a.bits)
+        swaps.append((path, q))
+        weights += [(f"{path}.weight", mx.array(a.weight)),
+                    (f"{path}.scales", mx.array(a.scales).astype(scale_dtype)),
+                    (f"{path}.biases", mx.array(a.biases).astype(scale_dtype))]
+    model.update_modules(nn.utils.tree_unflatten(swaps))
+    model.load_weights(weights)
+    mx.eval(model.parameters())
+    return model
+
+
+def _float(f: gguf.GGUFFile, name: str, dtype: mx.Dtype) -> mx.array:
+    if f.tensors[name].type is gguf.GGMLType.F16:
+        return mx.array(f.array(name)).astype(dtype)
+    return mx.array(f.dequantize(name)).astype(dtype)
+
+
+def transcode_error(f: gguf.GGUFFile, name: str, scale_dtype: mx.Dtype = mx.float32) -> float:
+    """Max |MLX's dequantization of our arrays - kquants' dequantization| for one tensor, with
+    scales and biases stored in scale_dtype (mx.dequantize then also returns scale_dtype)."""
+    info = f.tensors[name]
+    a = transcode_tensor(name, info.type, f.array(name), info.shape)
+    ours = mx.dequantize(mx.array(a.weight), mx.array(a.scales).astype(scale_dtype),
+                         mx.array(a.biases).astype(scale_dtype), group_size=a.group_size, bits=a.bits)
+    return float(np.abs(np.array(ours.astype(mx.float32)) - f.dequantize(name)).max())
+
+
+# --- random models for speed measurements ----------------------------------------------------------
+
+# fp16 fields of each block (byte offsets) and the largest scale that keeps weights plausible (|w| < ~1)
+_SCALE_FIELDS = {"Q4_0": ((0,), 0.1), "Q4_1": ((0, 2), 0.05), "Q5_0": ((0,), 0.05), "Q5_1": ((0, 2), 0.03),
+                 "Q8_0": ((0,), 0.008), "Q4_K": ((0, 2), 1e-3), "Q5_K": ((0, 2), 5e-4), "Q6_K": ((208,), 2e-4)}
+
+
+def random_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random valid blocks (rows, row_bytes) of a quantized type: random codes and small finite fp16
+    scales, generated as bytes (no float quantization), so a multi-GB model takes seconds."""
+    values, nbytes = gguf.BLOCK[gguf.GGMLType[type_name]]
+    fields, d_max = _SCALE_FIELDS[type_name]
+    n_blocks = rows * cols // values
+    blocks = np.frombuffer(rng.bytes(n_blocks * nbytes), np.uint8).reshape(n_blocks, nbytes).copy()
+    # an fp16 in [d_max/8, d_max): biased exponent e or e+1, mantissa random -- a few integer ops
+    e = int(np.floor(np.log2(d_max))) + 15 - 2
+    for at in fields:
+        half = blocks[:, at:at + 2].copy().view("<u2")
+        half[:] = (half & 0x03FF) + np.uint16(e << 10) + (half & 0x0400)
+        blocks[:, at:at + 2] = half.view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def _random_f16(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random float16 (rows, cols) with |x| in [2^-7, 2^-5), sign random, made from raw bits."""
+    bits = np.frombuffer(rng.bytes(rows * cols * 2), "<u2").reshape(rows, cols)
+    return ((bits & 0x87FF) | 0x2000).view("<f2")
+
+
+def _q4_k_m_type(name: str, layer: int, n_layers: int) -> str:
+    """llama.cpp's Q4_K_M mix: Q6_K for the output matrix and for attn_v and ffn_down of the layers
+    `use_more_bits` picks (first and last eighth, every third in between), Q4_K elsewhere."""
+    if name == "output":
+        return "Q6_K"
+    more = layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+    return "Q6_K" if name in ("attn_v", "ffn_down") and more else "Q4_K"
+
+
+def write_random_model(path: str | Path, args: ModelArgs, weight_type: str = "Q4_K", seed: int = 0) -> Path:
+    """A llama GGUF of args' shape with random weights in weight_type ("F16", a quantized type, or
+    "Q4_K_M" for llama.cpp's mix), norms F32 -- for speed measurements, e.g. Llama-3.1-8B:
+    ModelArgs(128256, 4096, 32, 14336, 32, 8, tie_word_embeddings=False). Returns path."""
+    rng = np.random.default_rng(seed)
+    d, hd, L = args.hidden_size, args.head_dim, args.num_hidden_layers
+
+    def matrix(short: str, layer: int, rows: int, cols: int):
+        t = _q4_k_m_type(short, layer, L) if weight_type == "Q4_K_M" else weight_type
+        if t == "F16":
+            return _random_f16(rows, cols, rng)
+        if cols % gguf.BLOCK[gguf.GGMLType[t]][0]:
+            t = "Q8_0"                                                  # llama.cpp's fallback too
+        return gguf.TensorData(gguf.GGMLType[t], (rows, cols), random_blocks(t, rows, cols, rng))
+
+    norm = np.ones(d, np.float32)
+    tensors = {"token_embd.weight": matrix("token_embd", 0, args.vocab_size, d), "output_norm.weight": norm}
+    if not args.tie_word_embeddings:
+        tensors["output.weight"] = matrix("output", 0, args.vocab_size, d)
+    shapes = {"attn_q": (args.num_attention_heads * hd, d), "attn_k": (args.num_key_value_heads * hd, d),
+              "attn_v": (args.num_key_value_heads * hd, d), "attn_output": (d, args.num_attention_heads * hd),
+              "ffn_gate": (args.intermediate_size, d), "ffn_up": (args.intermediate_size, d),
+              "ffn_down": (d, args.intermediate_size)}
+    for i in range(L):
+        tensors[f"blk.{i}.attn_norm.weight"] = tensors[f"blk.{i}.ffn_norm.weight"] = norm
+        for short, (rows, cols) in shapes.items():
+            tensors[f"blk.{i}.{short}.weight"] = matrix(short, i, rows, cols)
+    gguf.write(path, args.gguf_metadata(), tensors)
+    return Path(path)
