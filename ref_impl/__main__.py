@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from . import gguf
+from .quantize import FILE_TYPES, quantize_file
 
 
 def cmd_generate(a: argparse.Namespace) -> None:
@@ -64,7 +65,6 @@ def cmd_inspect(a: argparse.Namespace) -> None:
 def cmd_quantize(a: argparse.Namespace) -> None:
     from collections import Counter
 
-    from .quantize import quantize_file
 
     types = quantize_file(a.input, a.output, a.type)
     with gguf.read(a.input) as src, gguf.read(a.output) as dst:
@@ -88,14 +88,25 @@ def cmd_train(a: argparse.Namespace) -> None:
 
 
 def cmd_bench(a: argparse.Namespace) -> None:
-    from .bench import bench_decode, write_results
+    import tempfile
 
-    records = bench_decode(Path(a.model), a.prompt_len, a.gen_tokens, a.repeats, peers=not a.no_peers)
+    from .bench import args_for, bench_decode, bench_quant, bench_shape, write_results
+
+    with tempfile.TemporaryDirectory(dir=a.work_dir) as work:
+        if a.quant:
+            records = bench_quant(Path(a.model), Path(work), a.quant, a.ppl_tokens, a.prompt_len, a.gen_tokens,
+                                  a.repeats, peers=not a.no_peers)
+        elif a.shape:
+            records = bench_shape(a.shape, args_for(a.shape), a.weights, Path(work), a.prompt_len, a.gen_tokens,
+                                  a.repeats)
+        else:
+            records = bench_decode(Path(a.model), a.prompt_len, a.gen_tokens, a.repeats, peers=not a.no_peers)
     path = write_results(records, Path(a.out), "python -m ref_impl " + shlex.join(sys.argv[1:]), a.label)
     for r in records:
-        if r["metric"] in ("tokens_per_s", "ttft_ms"):
-            print(f"  {r['peer'] or 'ours (' + r['variant'] + ')':<44} {r['metric']:<14} "
-                  f"{r['value']:10.2f} {r['unit']}")
+        if r["metric"] in ("tokens_per_s", "ttft_ms", "heldout_perplexity", "bits_per_weight",
+                           "bandwidth", "bandwidth_fraction"):
+            who = r["peer"] or "ours" + (f" ({r['variant']})" if r.get("variant") else "")
+            print(f"  {r['weights'] or '':<7} {who:<44} {r['metric']:<18} {r['value']:10.3f} {r['unit']}")
     print(f"wrote {path}")
 
 
@@ -123,7 +134,7 @@ def parser() -> argparse.ArgumentParser:
     q = sub.add_parser("quantize", help="quantize a float GGUF model as llama.cpp's llama-quantize does")
     q.add_argument("input", help="an F32, F16 or BF16 llama GGUF file")
     q.add_argument("output")
-    q.add_argument("--type", default="Q4_K_M", choices=["Q4_K_M", "Q4_K", "Q6_K", "Q8_0", "Q4_0", "F16", "F32"],
+    q.add_argument("--type", default="Q4_K_M", choices=list(FILE_TYPES),
                    help="a llama.cpp file type; Q4_K is every matrix Q4_K (llama.cpp's --pure Q4_K_S)")
     q.set_defaults(run=cmd_quantize)
 
@@ -143,6 +154,12 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--gen-tokens", type=int, default=128)
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--no-peers", action="store_true", help="skip mlx-lm and llama.cpp")
+    b.add_argument("--quant", nargs="+", metavar="TYPE", choices=list(FILE_TYPES),
+                   help="quantize --model to each llama.cpp file type: size, perplexity, decode speed")
+    b.add_argument("--ppl-tokens", type=int, default=16384, help="held-out tokens for --quant's perplexity (0: skip)")
+    b.add_argument("--shape", help="decode a random-weight model of this public shape, e.g. Llama-3.1-8B")
+    b.add_argument("--weights", nargs="+", default=["F16", "Q4_K"], help="weight types for --shape")
+    b.add_argument("--work-dir", help="where --quant and --shape write their temporary GGUF files")
     b.add_argument("--label", help="machine label for the file name (default: host-backend)")
     b.add_argument("--out", default="results")
     b.set_defaults(run=cmd_bench)

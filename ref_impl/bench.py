@@ -217,6 +217,136 @@ def bench_decode(path: Path, prompt_len: int = 128, gen_tokens: int = 128, repea
     return records
 
 
+QUANT_TYPES = ("F32", "F16", "Q8_0", "Q6_K", "Q4_K_M", "Q4_K", "Q4_0")
+
+
+def bench_quant(path: Path, work_dir: Path, file_types: Sequence[str] = QUANT_TYPES, ppl_tokens: int = 16384,
+                prompt_len: int = 128, gen_tokens: int = 128, repeats: int = 3, peers: bool = True,
+                seed: int = 0) -> list[dict]:
+    """Per llama.cpp file type of a float model, quantized by us into work_dir: tensor bytes, bits per
+    weight, held-out perplexity (ppl_tokens tokens of the files the model never trained on, the
+    same tokens for every type; 0 skips it) and decode speed with the weights MLX-quantized
+    ("native") and expanded to floats ("dequantized"), and llama.cpp on the same file."""
+    from .quantize import quantize_file
+    from .tokenizer import Tokenizer
+    from .train import heldout_stream, mean_loss
+    from . import transcode
+
+    work_dir.mkdir(parents=True, exist_ok=True)
+    with gguf.read(path) as f:
+        tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
+        name = f.metadata.get("general.name", path.stem)
+        context = ModelArgs.from_gguf(f.metadata, f.tensors).max_position_embeddings
+    if ppl_tokens:
+        stream, fingerprint = heldout_stream(tokenizer)
+    prompt = np.random.default_rng(seed).integers(1, tokenizer.vocab_size, size=prompt_len).tolist()
+    records = []
+
+    def record(ft, metric, unit, value, samples=(), variant=None, peer=None, **extra):
+        records.append({"experiment": "quant", "model": name, "weights": ft, "kv": "f32" if peer is None else None,
+                        "context": prompt_len + gen_tokens, "variant": variant, "metric": metric,
+                        "unit": unit, "value": value, "samples": list(samples), "peer": peer, **extra})
+
+    for ft in file_types:
+        qpath = work_dir / f"{path.stem}-{ft}.gguf"
+        types = quantize_file(path, qpath, ft)
+        with gguf.read(qpath) as f:
+            nbytes = sum(t.nbytes for t in f.tensors.values())
+            weights = sum(int(np.prod(t.shape)) for t in f.tensors.values())
+            mix = {t: sum(v == t for v in types.values()) for t in sorted(set(types.values()))}
+            record(ft, "tensor_bytes", "B", nbytes, mix=mix)
+            record(ft, "file_bytes", "B", qpath.stat().st_size)
+            record(ft, "bits_per_weight", "bits", 8 * nbytes / weights)
+            if ppl_tokens:
+                with blas.one_blas_thread():   # the file's exact weights, in float32
+                    loss = mean_loss(load_model(f, mx.float32), stream, context, ppl_tokens, spread=True)
+                record(ft, "heldout_perplexity", "ppl", math.exp(loss), tokens=ppl_tokens // context * context,
+                       corpus_sha256=fingerprint)
+            models = {"dequantized": load_model(f, None), "native": transcode.load_model(f, None)}
+        for variant, model in models.items():
+            runs = ours(model, prompt, gen_tokens, repeats, pipeline=True)
+            tps = _summarize(runs, prompt_len)["tokens_per_s"]
+            record(ft, "tokens_per_s", "tok/s", tps[0], tps[1], variant=variant,
+                   dtype=str(model.norm.weight.dtype).split(".")[-1])
+        del models
+        if peers:
+            runs = llama_cpp_peer(qpath, prompt, gen_tokens, repeats)
+            tps = _summarize(runs, prompt_len)["tokens_per_s"]
+            record(ft, "tokens_per_s", "tok/s", tps[0], tps[1],
+                   peer="llama.cpp (llama-cpp-python " + _package_version("llama_cpp_python") + ")")
+    return records
+
+
+def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float]:
+    """MLX's own memory bandwidth on the default device, in GB/s: a copy (x + 1: reads and writes every
+    byte once, as STREAM's Copy) and a read (a sum). The roof a decode step's weight reads run against."""
+    x = mx.ones((nbytes // 2,), dtype=mx.float16)
+    mx.eval(x)
+    out = {}
+    for kind, op, moved in (("copy", lambda: x + 1, 2 * nbytes), ("read", lambda: x.sum(), nbytes)):
+        mx.eval(op())
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            mx.eval(op())
+            times.append(time.perf_counter() - t0)
+        out[kind] = moved / min(times) / 1e9
+    return out
+
+
+def decode_bytes(model: Model, context: int) -> int:
+    """Bytes one decode step reads: every parameter except the embedding table (one row of it is read,
+    unless it doubles as the output matrix), plus the KV cache at this context."""
+    a = model.args
+    params = dict(tree_flatten(model.parameters()))
+    nbytes = sum(v.nbytes for k, v in params.items() if a.tie_word_embeddings or not k.startswith("embed_tokens"))
+    return nbytes + 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * context * params["norm.weight"].itemsize
+
+
+def args_for(shape_name: str, context: int = 4096) -> ModelArgs:
+    """ModelArgs of a Llama-family shape from roofline.MODELS (random weights in it measure speed)."""
+    from .roofline import MODELS
+
+    s = MODELS.get(shape_name)
+    if s is None or s.qk_norm or s.sliding_window or s.norms_per_layer != 2:
+        llama = [n for n, m in MODELS.items() if not (m.qk_norm or m.sliding_window or m.norms_per_layer != 2)]
+        raise ValueError(f"no Llama-architecture shape {shape_name!r}; have {', '.join(llama)}")
+    return ModelArgs(s.vocab_size, s.hidden_size, s.num_hidden_layers, s.intermediate_size, s.num_attention_heads,
+                     s.num_key_value_heads, s.head_dim, max_position_embeddings=context,
+                     tie_word_embeddings=s.tie_word_embeddings)
+
+
+def bench_shape(shape: str, args: ModelArgs, weight_types: Sequence[str], work_dir: Path, prompt_len: int = 128,
+                gen_tokens: int = 128, repeats: int = 3, seed: int = 0) -> list[dict]:
+    """Decode speed of a random-weight model of a public model's shape (speed does not depend on the
+    values), per weight type, native MLX quantization, with the share of measured bandwidth it reaches."""
+    from . import transcode
+
+    bw = memory_bandwidth()
+    records = [{"experiment": "bandwidth", "model": None, "weights": None, "kv": None, "context": None,
+                "variant": kind, "metric": "bandwidth", "unit": "GB/s", "value": v, "samples": [], "peer": None}
+               for kind, v in bw.items()]
+    prompt = np.random.default_rng(seed).integers(1, args.vocab_size, size=prompt_len).tolist()
+    for wt in weight_types:
+        path = transcode.write_random_model(work_dir / f"{shape}-{wt}.gguf", args, wt, seed)
+        with gguf.read(path) as f:
+            model = transcode.load_model(f, None)
+            weights = sum(int(np.prod(t.shape)) for t in f.tensors.values())
+            nbytes = sum(t.nbytes for t in f.tensors.values())
+        path.unlink()
+        step_bytes = decode_bytes(model, prompt_len + gen_tokens // 2)
+        tps = _summarize(ours(model, prompt, gen_tokens, repeats, pipeline=True), prompt_len)["tokens_per_s"]
+        base = {"experiment": "decode-shape", "model": shape, "weights": wt, "kv": str(model.norm.weight.dtype).split(".")[-1],
+                "context": prompt_len + gen_tokens, "variant": "native", "peer": None}
+        records += [{**base, "metric": "bits_per_weight", "unit": "bits", "value": 8 * nbytes / weights, "samples": []},
+                    {**base, "metric": "bytes_per_token", "unit": "B", "value": step_bytes, "samples": []},
+                    {**base, "metric": "tokens_per_s", "unit": "tok/s", "value": tps[0], "samples": tps[1]},
+                    {**base, "metric": "bandwidth_fraction", "unit": "fraction",
+                     "value": step_bytes * tps[0] / 1e9 / max(bw.values()), "samples": []}]
+        del model
+    return records
+
+
 def _git_commit() -> str:
     """The commit of the code that ran: git's answer, or REF_IMPL_GIT where the tree has no .git
     (a copy on a lent GPU machine)."""

@@ -132,6 +132,13 @@ def token_stream(tokenizer: Tokenizer, texts: list[str]) -> np.ndarray:
     return np.concatenate([np.array(i, dtype=np.int32) for i in ids])
 
 
+def heldout_stream(tokenizer: Tokenizer, preset: str = "stdlib-10m") -> tuple[np.ndarray, str]:
+    """The token stream of the files `preset` held out (never trained on), and the corpus fingerprint:
+    the text every perplexity in the book is measured on."""
+    corpus, fingerprint = read_corpus(config_for(preset))
+    return token_stream(tokenizer, corpus["heldout"]), fingerprint
+
+
 def sample_batch(stream: np.ndarray, rng: np.random.Generator, batch: int, context: int, bos: int):
     """Inputs and next-token targets (batch, context): random windows, each led by BOS.
 
@@ -150,15 +157,20 @@ def loss_fn(model: Model, x: mx.array, y: mx.array) -> mx.array:
 
 
 def mean_loss(model: Model, stream: np.ndarray, context: int, max_tokens: int = 0,
-              batch: int = 16) -> float:
-    """Mean next-token loss (nats) over consecutive non-overlapping windows of a token stream."""
+              batch: int = 16, spread: bool = False) -> float:
+    """Mean next-token loss (nats) over non-overlapping windows of a token stream: consecutive ones
+    from the start, or (spread=True) as many spaced evenly over the whole stream, so a short
+    evaluation samples every part of it rather than its first files."""
     n = (min(len(stream) - 1, max_tokens or len(stream))) // context
     if n == 0:
         raise ValueError(f"the stream ({len(stream)} tokens) is shorter than one window ({context})")
+    if spread:
+        starts = np.linspace(0, (len(stream) - 1) // context - 1, n).astype(np.int64) * context
+    else:
+        starts = np.arange(n) * context
     total = 0.0
     for i in range(0, n, batch):
-        rows = np.arange(i, min(n, i + batch))[:, None] * context + np.arange(context + 1)
-        windows = stream[rows]
+        windows = stream[starts[i:i + batch, None] + np.arange(context + 1)]
         loss = nn.losses.cross_entropy(model(mx.array(windows[:, :-1])), mx.array(windows[:, 1:]),
                                        reduction="sum")
         total += loss.item()

@@ -59,6 +59,17 @@ def test_mean_loss_is_the_average_next_token_loss():
         mean_loss(model, stream[:5], context=8)
 
 
+def test_mean_loss_spread_windows_cover_the_stream():
+    """spread=True: 3 windows of 8 spaced over 81 tokens start at 0, 32 and 72, not 0, 8 and 16."""
+    mx.random.seed(0)
+    model = Model(ModelArgs(vocab_size=50, hidden_size=16, num_hidden_layers=1, intermediate_size=32,
+                            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32))
+    stream = np.random.default_rng(1).integers(0, 50, 81).astype(np.int32)
+    rows = np.array([0, 32, 72])[:, None] + np.arange(9)
+    assert math.isclose(mean_loss(model, stream, context=8, max_tokens=24, spread=True),
+                        np.mean([mean_loss(model, stream[r], context=8) for r in rows]), rel_tol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def micro_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("micro")
