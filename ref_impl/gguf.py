@@ -577,3 +577,71 @@ def write(path: str | os.PathLike, metadata: dict[str, Any], tensors: dict[str, 
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+# --------------------------------------------------------------------------------------------- layout
+
+@dataclass(frozen=True)
+class Region:
+    """One stretch of a GGUF file: `size` bytes at absolute file `offset`."""
+    kind: str      # "header", "metadata", "tensor_info", "padding" or "tensor_data"
+    name: str      # the header field, metadata key or tensor name; for padding, what it pads
+    offset: int
+    size: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.size
+
+
+def layout(path: str | os.PathLike) -> list[Region]:
+    """Every region of the GGUF file at `path` in file order, covering each byte exactly once:
+    the four header fields, one region per metadata entry (key, type and value) and per tensor
+    info, the padding up to the data section, then each tensor's data and the padding after it
+    (up to the next tensor, or to the end of the file). Raises GGUFError on a malformed file,
+    and on tensors whose data overlap.
+    """
+    with read(path) as f:
+        r = _Cursor(f._mm)
+        regions = []
+
+        def span(kind: str, name: str, start: int) -> None:
+            regions.append(Region(kind, name, start, r.pos - start))
+
+        for field, n in (("magic", 4), ("version", 4), ("tensor_count", 8), ("metadata_count", 8)):
+            start = r.pos
+            r.take(n, field)
+            span("header", field, start)
+        for key in f.fields:
+            start = r.pos
+            r.string("key")
+            r.value(r.value_type("type"), key)
+            span("metadata", key, start)
+        for name in f.tensors:
+            start = r.pos
+            r.string("name")
+            r.take(8 * r.u32("n_dims") + 12, name)   # ne, type (u32), offset (u64)
+            span("tensor_info", name, start)
+        pos, before = r.pos, "the data section"
+        for info in sorted(f.tensors.values(), key=lambda t: t.offset):
+            if info.offset < pos:
+                raise GGUFError(f"tensor {info.name!r} data at {info.offset} overlaps the bytes before it (to {pos})")
+            if info.offset > pos:
+                regions.append(Region("padding", f"before {before}", pos, info.offset - pos))
+            regions.append(Region("tensor_data", info.name, info.offset, info.nbytes))
+            pos, before = info.offset + info.nbytes, f"after {info.name}"
+        if pos < r.size:
+            regions.append(Region("padding", f"after {before[6:]}" if f.tensors else "before the data section",
+                                  pos, r.size - pos))
+        return regions
+
+
+def hexdump(data: bytes, start: int = 0, width: int = 16) -> str:
+    """`data` as hex lines of `width` bytes, each led by its absolute offset (`start` is the offset
+    of data[0]) and followed by the printable ASCII, like `xxd`."""
+    lines = []
+    for i in range(0, len(data), width):
+        chunk = data[i:i + width]
+        text = "".join(chr(b) if 32 <= b < 127 else "." for b in chunk)
+        lines.append(f"{start + i:08x}  {chunk.hex(' '):<{3 * width - 1}}  {text}")
+    return "\n".join(lines)

@@ -1,0 +1,308 @@
+"""loading: what GGUF's layout buys when a model is loaded and when its weights are read, measured here.
+
+Two experiments. `throughput_sweep` reads one float32 buffer placed at a chosen byte offset past a
+64-byte cache-line boundary (0, 4, 16, 32, 64 ... ; 1 is not even float32-aligned) and times a
+sum and a matrix-vector product (GEMV) over it with numpy and with MLX, in a buffer that fits the
+L2 cache and in one far larger than the L3. `measure_load` loads a GGUF file three ways -- memory-
+mapped (`gguf.read`), read() into memory, and MLX's own `mx.load` -- and records the time to open,
+the time of the first pass over every weight, and the resident memory (RSS) each way adds, with the
+file's pages in the page cache ("warm") or evicted first ("cold", Linux only).
+
+Every function takes a time budget and returns plain dataclasses with the unit in each field name.
+
+References: Intel 64 and IA-32 Architectures Optimization Reference Manual (split loads: a load
+that crosses a 64-byte cache line); llama.cpp docs/gguf.md (general.alignment).
+See chapter: gguf
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import os
+import resource
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import gguf
+
+KiB, MiB = 2**10, 2**20
+LINE = 64           # bytes in a cache line on x86-64 and on Apple's cores' L1
+OFFSETS = (0, 4, 16, 32, 64)
+GEMV_COLS = 1024    # columns of the GEMV matrix: 4 KiB rows
+
+
+# ---- resident memory ---------------------------------------------------------------------------------
+
+def rss_mb() -> dict[str, float]:
+    """This process's resident memory in MB (1e6 bytes): total, anonymous (heap: what read() fills)
+    and file-backed (mapped file pages: what mmap fills). Linux reads /proc/self/status; elsewhere
+    only the peak RSS is known, so anon and file are NaN."""
+    status = Path("/proc/self/status")
+    if status.is_file():
+        kb = {k: float(v.split()[0]) for k, v in
+              (line.split(":", 1) for line in status.read_text().splitlines() if line.startswith(("VmRSS", "Rss")))}
+        mb = 1024 / 1e6                                  # the file's "kB" are KiB
+        return {"rss": kb["VmRSS"] * mb, "anon": kb.get("RssAnon", np.nan) * mb,
+                "file": kb.get("RssFile", np.nan) * mb}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"rss": peak / (1e6 if sys.platform == "darwin" else 1e3), "anon": np.nan, "file": np.nan}
+
+
+# ---- timing helpers ----------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """numpy's OpenBLAS (and MLX's, via blas.one_blas_thread) on one thread inside the block: on a
+    busy 2-core machine two BLAS threads wait on each other and the timings scatter."""
+    from . import blas
+    libs = {line.split()[-1] for line in open("/proc/self/maps") if "openblas" in line.lower()} \
+        if os.path.exists("/proc/self/maps") else set()
+    restore = []
+    for path in libs:
+        lib = ctypes.CDLL(path)
+        for get, put in (("scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_threads64_"),
+                         ("openblas_get_num_threads", "openblas_set_num_threads")):
+            if hasattr(lib, get):
+                restore.append((getattr(lib, put), getattr(lib, get)()))
+                getattr(lib, put)(1)
+    try:
+        with blas.one_blas_thread():
+            yield
+    finally:
+        for put, n in restore:
+            put(n)
+
+
+def _calls_per_timing(fn: Callable[[], object], target_s: float) -> int:
+    """How many calls of `fn` fill about `target_s` (so tiny calls are timed in a loop)."""
+    t0 = time.perf_counter()
+    fn()
+    one = max(time.perf_counter() - t0, 1e-7)
+    return max(1, int(target_s / one))
+
+
+# ---- aligned vs misaligned reads ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Throughput:
+    """One timed read of a float32 buffer that starts `offset_bytes` past a cache-line boundary."""
+    backend: str            # "numpy" or "mlx"
+    op: str                 # "sum" (a reduction) or "gemv" (matrix (rows, 1024) times a vector)
+    buffer_bytes: int
+    offset_bytes: int       # requested: bytes past a page (so cache-line) boundary
+    line_offset: int        # address of the first element modulo 64, as measured
+    seconds: float          # fastest single call
+    gb_per_s: float         # buffer_bytes / seconds / 1e9
+    float32_aligned: bool   # the address is a multiple of 4 (numpy's `flags.aligned`)
+
+
+def _address(a) -> int:
+    """The data address of a numpy array or of an evaluated MLX array (a view into its buffer)."""
+    return (a if isinstance(a, np.ndarray) else np.array(a, copy=False)).ctypes.data
+
+
+def _numpy_views(nbytes: int, offsets: Sequence[int], rng: np.random.Generator):
+    raw = np.empty(nbytes + 2 * 4096, np.uint8)
+    start = -_address(raw) % 4096                        # a page boundary, hence a cache-line one
+    raw[:] = rng.integers(0, 255, raw.size, dtype=np.uint8) & 0x3F  # finite float32 bit patterns
+    views = {off: raw[start + off:start + off + nbytes].view(np.float32) for off in offsets}
+    return raw, views
+
+
+def _mlx_views(nbytes: int, offsets: Sequence[int], rng: np.random.Generator):
+    import mlx.core as mx
+    n = nbytes // 4
+    base = mx.array(rng.standard_normal(n + 1024, dtype=np.float32))
+    mx.eval(base)
+    k0 = (-_address(base) % LINE) // 4                    # MLX's CPU buffers start 8 bytes past a malloc block
+    views = {}
+    for off in offsets:
+        if off % 4:
+            continue                                      # MLX slices whole elements: no view at 1 byte
+        v = base[k0 + off // 4:k0 + off // 4 + n]
+        mx.eval(v)
+        views[off] = v
+    return base, views
+
+
+def throughput_sweep(offsets: Sequence[int] = OFFSETS, sizes: Sequence[int] = (256 * KiB, 96 * MiB),
+                     backends: Sequence[str] = ("numpy", "mlx"), ops: Sequence[str] = ("sum", "gemv"),
+                     budget_s: float = 8.0, seed: int = 0) -> list[Throughput]:
+    """Time `ops` over float32 buffers of each size in `sizes` (bytes) at each offset, per backend.
+
+    The offsets of one (backend, op, size) are timed in interleaved rounds, so a busy neighbour
+    slows them alike; each result is the fastest round (noise only ever adds time). Tiny buffers
+    are timed as loops of calls. The whole sweep stops after about `budget_s` seconds (at least
+    three rounds each). BLAS runs on one thread. Offsets that are not a multiple of 4 bytes run in
+    numpy only (MLX slices whole elements).
+    """
+    rng = np.random.default_rng(seed)
+    groups = [(b, op, size) for b in backends for size in sizes for op in ops]
+    per_group = budget_s / max(len(groups), 1)
+    out = []
+    with one_thread():
+        for backend, size in dict.fromkeys((b, s) for b, _, s in groups):
+            keep, views = (_numpy_views if backend == "numpy" else _mlx_views)(size, offsets, rng)
+            for op in ops:
+                out += _time_group(backend, op, size, views, per_group, rng)
+            del keep, views
+    return out
+
+
+def _kernel(backend: str, op: str, view, x):
+    rows = view.shape[0] // GEMV_COLS
+    if backend == "numpy":
+        if op == "sum":
+            return lambda: np.add.reduce(view)
+        w = view[:rows * GEMV_COLS].reshape(rows, GEMV_COLS)
+        return lambda: w @ x
+    import mlx.core as mx
+    if op == "sum":
+        return lambda: mx.eval(mx.sum(view))
+    w = view[:rows * GEMV_COLS].reshape(rows, GEMV_COLS)
+    return lambda: mx.eval(w @ x)
+
+
+def _time_group(backend: str, op: str, size: int, views: dict, budget_s: float,
+                rng: np.random.Generator) -> list[Throughput]:
+    x = rng.standard_normal(GEMV_COLS, dtype=np.float32)
+    if backend == "mlx":
+        import mlx.core as mx
+        x = mx.array(x)
+    fns = {off: _kernel(backend, op, v, x) for off, v in views.items()}
+    reps = {off: _calls_per_timing(fn, 2e-3) for off, fn in fns.items()}   # ~2 ms per timing
+    best = {off: np.inf for off in fns}
+    start, rounds = time.perf_counter(), 0
+    while rounds < 3 or time.perf_counter() - start < budget_s:
+        for off, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(reps[off]):
+                fn()
+            best[off] = min(best[off], (time.perf_counter() - t0) / reps[off])
+        rounds += 1
+    return [Throughput(backend, op, size, off, _address(views[off]) % LINE, best[off], size / best[off] / 1e9,
+                       _address(views[off]) % 4 == 0) for off in fns]
+
+
+# ---- mmap vs read ------------------------------------------------------------------------------------
+
+def write_synthetic(path: str | os.PathLike, total_mb: float = 256, n_tensors: int = 8) -> Path:
+    """A GGUF of `n_tensors` float32 matrices (rows of 4096 values) totalling about `total_mb` MB,
+    each filled with one constant (fast to make; the loader does not care about values)."""
+    rows = max(1, int(total_mb * 1e6 / n_tensors / (4096 * 4)))
+    tensors = {f"blk.{i}.weight": np.full((rows, 4096), i / 8, np.float32) for i in range(n_tensors)}
+    gguf.write(path, {"general.architecture": "synthetic", "general.name": f"synthetic-{total_mb:g}MB"},
+               tensors)
+    return Path(path)
+
+
+def evict(path: str | os.PathLike) -> bool:
+    """Drop the file's pages from the page cache (fsync, then POSIX_FADV_DONTNEED), so the next read
+    comes from the disk. Linux only; returns False where the call does not exist. Pages that some
+    process still maps stay. (On a virtual machine the host may still cache the disk.)"""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return True
+
+
+@dataclass(frozen=True)
+class LoadTiming:
+    """One load of a GGUF file: until every tensor is an array, then one pass summing all of them."""
+    method: str             # "mmap", "read", "mx.load"
+    cache: str              # "cold" (the file's pages evicted first) or "warm" (in the page cache)
+    file_mb: float
+    open_s: float           # until every tensor is an array
+    first_pass_s: float     # one sum over every tensor: mmap's page faults (and disk reads) land here
+    rss_open_mb: float      # RSS growth after open
+    rss_pass_mb: float      # RSS growth after the pass
+    anon_pass_mb: float     # of which anonymous (private heap copies)
+    file_pass_mb: float     # of which file-backed (the page cache, mapped: shared with other processes)
+
+
+METHODS = ("mmap", "read", "mx.load")
+
+
+def _give_back_memory() -> None:
+    """Free what the last load left: Python garbage, MLX's buffer cache, and heap pages glibc keeps
+    for reuse (malloc_trim), so the next load's RSS growth is its own."""
+    gc.collect()
+    if "mlx.core" in sys.modules:
+        sys.modules["mlx.core"].clear_cache()
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+def measure_load(path: str | os.PathLike, method: str, cache: str = "warm") -> LoadTiming:
+    """Load `path` by `method` ("mmap": gguf.read, views into the map; "read": the whole file read()
+    into a bytearray, views into it; "mx.load": MLX's GGUF loader, which copies into MLX arrays),
+    after evicting the file's pages when `cache` is "cold"."""
+    if method not in METHODS or cache not in ("cold", "warm"):
+        raise ValueError(f"method must be one of {METHODS} and cache 'cold' or 'warm'")
+    path = os.fspath(path)
+    with gguf.read(path) as f:                 # the tensor table, before the clock starts
+        infos = list(f.tensors.values())
+    _give_back_memory()
+    if cache == "cold" and not evict(path):
+        raise OSError("cannot evict pages on this OS: measure warm only")
+    before = rss_mb()
+    t0 = time.perf_counter()
+    if method == "mmap":
+        keep = gguf.read(path)
+        arrays = [keep.array(i.name) for i in infos]
+    elif method == "read":
+        keep = bytearray(os.path.getsize(path))
+        with open(path, "rb") as fh:
+            fh.readinto(keep)
+        arrays = [np.frombuffer(keep, np.float32 if i.type is gguf.GGMLType.F32 else np.uint8,
+                                count=i.nbytes // (4 if i.type is gguf.GGMLType.F32 else 1), offset=i.offset)
+                  for i in infos]
+    else:
+        import mlx.core as mx
+        keep = mx.load(path)
+        arrays = list(keep.values())
+        mx.eval(arrays)
+    t1 = time.perf_counter()
+    opened = rss_mb()
+    if method == "mx.load":
+        mx.eval([mx.sum(a) for a in arrays])
+    else:
+        for a in arrays:
+            np.add.reduce(a, axis=None)
+    t2 = time.perf_counter()
+    after = rss_mb()
+    del arrays
+    if method == "mmap":
+        keep.close()
+    del keep
+    _give_back_memory()
+    return LoadTiming(method, cache, os.path.getsize(path) / 1e6, t1 - t0, t2 - t1,
+                      opened["rss"] - before["rss"], after["rss"] - before["rss"],
+                      after["anon"] - before["anon"], after["file"] - before["file"])
+
+
+def load_comparison(path: str | os.PathLike, methods: Sequence[str] = METHODS,
+                    caches: Sequence[str] = ("cold", "warm")) -> list[LoadTiming]:
+    """`measure_load` for every method, cold (where the OS can evict) and then warm."""
+    caches = [c for c in caches if c == "warm" or hasattr(os, "posix_fadvise")]
+    out = []
+    for cache in caches:
+        if cache == "warm":                 # read the file once, so every warm load finds it cached
+            with open(path, "rb") as fh:
+                while fh.read(16 * MiB):
+                    pass
+        out += [measure_load(path, method, cache) for method in methods]
+    return out
