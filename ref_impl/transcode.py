@@ -237,8 +237,10 @@ def repack_q6_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     span = (vmax - vmin).astype(np.float32)
     # step g keeps every value when 255 codes of g span the group; else min-max's span / 255
     t = np.where(span <= 255 * g, g.astype(np.float32), span / 255)  # (n, 8) in units of d
-    code = np.floor((v - vmin[:, :, None]) / t[:, :, None] + 0.5)    # round half up
-    q = np.clip(code, 0, 255).astype(np.uint8).reshape(rows, -1)
+    x = (v - vmin[:, :, None]).astype(np.float32)
+    x *= (1 / t)[:, :, None]
+    x += 0.5
+    q = x.astype(np.uint8).reshape(rows, -1)                          # x >= 0.5: truncation rounds half up
     scale = (d * t).reshape(rows, -1)
     bias = (d * vmin).reshape(rows, -1)
     return pack(q, 8), scale.astype(np.float32), bias.astype(np.float32)
@@ -385,13 +387,18 @@ _SCALE_FIELDS = {"Q4_0": ((0,), 0.1), "Q4_1": ((0, 2), 0.05), "Q5_0": ((0,), 0.0
                  "Q8_0": ((0,), 0.008), "Q4_K": ((0, 2), 1e-3), "Q5_K": ((0, 2), 5e-4), "Q6_K": ((208,), 2e-4)}
 
 
+def _random_bytes(n: int, rng: np.random.Generator) -> np.ndarray:
+    """n random uint8, straight from the bit generator (~4x faster than rng.bytes)."""
+    return rng.bit_generator.random_raw(-(-n // 8)).view(np.uint8)[:n]
+
+
 def random_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Random valid blocks (rows, row_bytes) of a quantized type: random codes and small finite fp16
     scales, generated as bytes (no float quantization), so a multi-GB model takes seconds."""
     values, nbytes = gguf.BLOCK[gguf.GGMLType[type_name]]
     fields, d_max = _SCALE_FIELDS[type_name]
     n_blocks = rows * cols // values
-    blocks = np.frombuffer(rng.bytes(n_blocks * nbytes), np.uint8).reshape(n_blocks, nbytes).copy()
+    blocks = _random_bytes(n_blocks * nbytes, rng).reshape(n_blocks, nbytes)
     # an fp16 in [d_max/8, d_max): biased exponent e or e+1, mantissa random -- a few integer ops
     e = int(np.floor(np.log2(d_max))) + 15 - 2
     for at in fields:
@@ -403,7 +410,7 @@ def random_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator
 
 def _random_f16(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Random float16 (rows, cols) with |x| in [2^-7, 2^-5), sign random, made from raw bits."""
-    bits = np.frombuffer(rng.bytes(rows * cols * 2), "<u2").reshape(rows, cols)
+    bits = _random_bytes(rows * cols * 2, rng).view("<u2").reshape(rows, cols)
     return ((bits & 0x87FF) | 0x2000).view("<f2")
 
 

@@ -88,3 +88,18 @@ def shipped_model() -> Path:
     if not SHIPPED.is_file():
         pytest.fail(f"the shipped model {SHIPPED} is missing: train it (python -m ref_impl train)")
     return SHIPPED
+
+
+@pytest.fixture(scope="session")
+def llama_q4_k_m(shipped_model, tmp_path_factory) -> Path:
+    """The shipped model quantized to Q4_K_M by llama.cpp itself (Q4_K, Q6_K, and Q5_0/Q8_0 where
+    rows of 384 are not a multiple of 256)."""
+    import ctypes
+
+    import llama_cpp
+
+    out = tmp_path_factory.mktemp("q4km") / "stdlib-10m-Q4_K_M.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, 1
+    assert llama_cpp.llama_model_quantize(str(shipped_model).encode(), str(out).encode(), ctypes.byref(params)) == 0
+    return out
