@@ -14,7 +14,7 @@ from ref_impl import claims, roofline
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared"          # CI keeps a copy of shared/ beside the clone
-IMPLEMENTED = ("C04", "C14", "C26", "C27")
+IMPLEMENTED = ("C04", "C10", "C14", "C26", "C27", "C32")
 IDS = [f"C{i:02d}" for i in range(1, 33)]
 
 
@@ -73,11 +73,13 @@ def test_live_false_times_nothing(monkeypatch):
         monkeypatch.setattr(time, name, no_clock)
     monkeypatch.setattr(claims, "measure_matmul", no_clock)
     monkeypatch.setattr(claims, "measure_forward", no_clock)
+    monkeypatch.setattr(claims, "measure_alignment", no_clock)
     rows = claims.ledger(live=False)
     assert len(rows) == 32
     verdicts = {c.id: v for c, v in rows}
     assert all(not k.startswith("live") for cid in IMPLEMENTED for k in verdicts[cid].evidence)
     assert "live=False" in verdicts["C27"].summary and "live=False" in verdicts["C26"].summary
+    assert all("live=False" in verdicts[c].summary for c in ("C10", "C32"))
 
 
 def _check_evidence(v: claims.Verdict) -> None:
@@ -96,7 +98,7 @@ def test_implemented_checks_give_a_verdict_with_evidence_in_units(cid, live_ledg
 
 
 def test_live_verdicts_carry_live_measurements_and_say_so(live_ledger):
-    for cid in ("C14", "C26", "C27"):
+    for cid in ("C10", "C14", "C26", "C27", "C32"):
         v = live_ledger[cid]
         assert any(k.startswith("live") for k in v.evidence) and v.source.startswith("live"), cid
     assert live_ledger["C27"].status == "confirmed"
@@ -179,3 +181,36 @@ def test_ledger_html_escapes_text_and_has_one_row_per_claim():
     page = claims.ledger_html([(evil, claims.Verdict("refuted", "<script>alert(1)</script>."))])
     assert "<script>" not in page and "&lt;script&gt;" in page and "x &lt; y &amp; z." in page
     assert claims.status_counts(rows)["pending"] == 32 - len(IMPLEMENTED)
+
+
+def test_c10_c32_facts_by_hand():
+    ev = claims.check("C10", live=False).evidence
+    assert ev["GGUF default alignment (general.alignment absent)"].value == 32
+    assert ev["shipped model: tensor data offsets that are multiples of 32"].value == 100
+    # block k starts at k * 18 bytes: a multiple of 32 when 16 divides k (gcd(18, 32) = 2, so 2/32)
+    assert ev["Q4_0 blocks (18 bytes) that start 32-byte aligned"].value == pytest.approx(6.25)
+    assert ev["Q4_K blocks (144 bytes) that start 32-byte aligned"].value == pytest.approx(50)
+    assert claims.check("C10", live=False).status == "qualified"
+    v = claims.check("C32", live=False)
+    assert v.status == "qualified" and "GPU threads were not measured" in v.summary
+
+
+def test_c10_c32_live_verdicts_follow_the_measured_penalty(live_ledger, monkeypatch):
+    for cid in ("C10", "C32"):
+        v = live_ledger[cid]
+        assert any(k.startswith("live GEMV") or k.startswith("live gemv") for k in v.evidence), cid
+    assert live_ledger["C10"].status == "qualified"
+    assert live_ledger["C32"].status in ("qualified", "refuted")
+    # the rule: C32 is refuted when the in-cache split-load penalty is within the noise
+    from ref_impl.loading import Throughput
+
+    def rows(slow):
+        return tuple(Throughput("numpy", op, size, off, off % 64, t, size / t / 1e9, True)
+                     for op in ("sum", "gemv") for size in (256 * 2**10, 64 * 2**20)
+                     for off, t in ((0, 1.0), (4, slow), (16, slow), (32, 1.0)))
+    monkeypatch.setattr(claims, "measure_alignment", lambda: rows(1.01))
+    assert claims.check("C32", live=True).status == "refuted"
+    monkeypatch.setattr(claims, "measure_alignment", lambda: rows(1.10))
+    v = claims.check("C32", live=True)
+    assert v.status == "qualified" and v.evidence["live gemv in L2: extra time at 4/16 bytes vs 0/32"].value == \
+        pytest.approx(10)

@@ -575,11 +575,11 @@ def test_missing_file_and_directory(tmp_path):
 
 
 def test_known_but_unsupported_type_reads_raw_and_refuses_to_dequantize(tmp_path):
-    path = tmp_path / "q5k.gguf"
-    write(path, {}, {"w": TensorData(GGMLType.Q5_K, (2, 256), bytes(352))})
+    path = tmp_path / "iq4xs.gguf"   # an i-quant: kquants does not dequantize those
+    write(path, {}, {"w": TensorData(GGMLType.IQ4_XS, (2, 256), bytes(272))})
     with read(path) as f:
-        assert f.array("w").shape == (2, 176)
-        with pytest.raises(GGUFError, match="unsupported type Q5_K"):
+        assert f.array("w").shape == (2, 136)
+        with pytest.raises(GGUFError, match="unsupported type IQ4_XS"):
             f.dequantize("w")
         with pytest.raises(KeyError, match="no tensor named 'x'"):
             f.array("x")
@@ -615,4 +615,61 @@ def test_write_rejects_bad_input_and_leaves_no_file(tmp_path, case):
     kwargs = {"metadata": {}, "tensors": {}, **kwargs}
     with pytest.raises(GGUFError, match=message):
         write(tmp_path / "out.gguf", **kwargs)
+    assert os.listdir(tmp_path) == []
+
+
+# ------------------------------------------------------------------------- raw quantized tensors
+
+RAW_TYPES = ["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+
+
+@pytest.mark.parametrize("type_name", RAW_TYPES)
+def test_raw_quantized_blocks_round_trip_and_gguf_py_reads_them(tmp_path, type_name):
+    t = GGMLType[type_name]
+    block, block_bytes = BLOCK[t]
+    shape = (3, 2 * max(block, 256))                                 # two or more blocks per row
+    rng = np.random.default_rng(int(t))
+    raw = rng.integers(0, 256, (shape[0], shape[1] // block * block_bytes), dtype=np.uint8)
+    path = tmp_path / f"{type_name}.gguf"
+    write(path, {"general.architecture": "llama"}, {"w": TensorData(t, shape, raw), "tail": np.ones(3, np.float32)})
+    with read(path) as f:
+        info = f.tensors["w"]
+        assert info.type is t and info.shape == shape and info.nbytes == raw.nbytes
+        assert f.array("w").shape == raw.shape and np.array_equal(f.array("w"), raw)
+        assert f.tensor_data("w").type is t
+    r = gguf_py.GGUFReader(str(path))
+    tensor = next(x for x in r.tensors if x.name == "w")
+    assert tensor.tensor_type.name == type_name and list(tensor.shape) == list(shape[::-1])
+    assert tensor.data.tobytes() == raw.tobytes()
+
+
+@pytest.mark.parametrize("type_name", RAW_TYPES)
+def test_we_read_raw_quantized_tensors_written_by_gguf_py(tmp_path, type_name):
+    t = GGMLType[type_name]
+    block, block_bytes = BLOCK[t]
+    raw = np.random.default_rng(1).integers(0, 256, (2, 512 // block * block_bytes), dtype=np.uint8)
+    path = tmp_path / f"py_{type_name}.gguf"
+    w = gguf_py.GGUFWriter(str(path), "llama")
+    w.add_tensor("w", raw, raw_dtype=gguf_py.GGMLQuantizationType[type_name])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with read(path) as f:
+        assert f.tensors["w"].type is t and f.tensors["w"].shape == (2, 512)
+        assert np.array_equal(f.array("w"), raw)
+
+
+@pytest.mark.parametrize("type_name", RAW_TYPES)
+def test_raw_quantized_byte_count_must_match_the_shape(tmp_path, type_name):
+    t = GGMLType[type_name]
+    block, block_bytes = BLOCK[t]
+    need = 2 * block_bytes
+    for nbytes in (need - 1, need + block_bytes, 0):
+        with pytest.raises(GGUFError, match=rf"tensor 'blk\.0\.w': {type_name} of shape \(1, {2 * block}\) "
+                                            rf"needs {need} bytes, data has {nbytes}"):
+            write(tmp_path / "x.gguf", {}, {"blk.0.w": TensorData(t, (1, 2 * block), bytes(nbytes))})
+    with pytest.raises(GGUFError, match=rf"tensor 'blk\.0\.w': row length {block + 1} is not a multiple "
+                                        rf"of the {type_name} block size {block}"):
+        write(tmp_path / "x.gguf", {}, {"blk.0.w": TensorData(t, (1, block + 1), bytes(block_bytes))})
     assert os.listdir(tmp_path) == []

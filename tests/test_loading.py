@@ -1,0 +1,157 @@
+"""gguf.layout against llama.cpp's own reader (gguf-py's GGUFReader offsets), and the load and
+throughput measurements of ref_impl.loading: they run, cap their time, and return sane fields."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import gguf as gguf_py
+import numpy as np
+import pytest
+
+from ref_impl import gguf, loading
+from ref_impl.gguf import GGMLType, TensorData
+
+
+def oracle_regions(path) -> list[tuple[int, int]]:
+    """(offset, size) of every header field, metadata entry, tensor info and tensor data, by GGUFReader."""
+    r = gguf_py.GGUFReader(str(path))
+    spans = [(0, 4)]                                                   # the magic (GGUFReader skips it)
+    spans += [(f.offset, sum(p.nbytes for p in f.parts)) for f in r.fields.values()]
+    spans += [(t.field.offset, sum(p.nbytes for p in t.field.parts)) for t in r.tensors]
+    spans += [(int(t.data_offset), int(t.n_bytes)) for t in r.tensors]
+    return sorted(spans)
+
+
+def check_layout(path) -> list[gguf.Region]:
+    regions = gguf.layout(path)
+    # every byte exactly once, in order
+    assert regions[0].offset == 0 and regions[-1].end == os.path.getsize(path)
+    assert all(a.end == b.offset for a, b in zip(regions, regions[1:]))
+    assert all(r.size > 0 for r in regions)
+    # the non-padding regions are GGUFReader's, offset for offset and size for size
+    assert sorted((r.offset, r.size) for r in regions if r.kind != "padding") == oracle_regions(path)
+    with gguf.read(path) as f:
+        data = [r for r in regions if r.kind == "tensor_data"]
+        assert all(r.offset % f.alignment == 0 for r in data)
+        assert [r.name for r in regions if r.kind == "metadata"] == list(f.fields)
+        assert [r.name for r in regions if r.kind == "tensor_info"] == list(f.tensors)
+        first = next((r for r in regions if r.kind == "tensor_data"), None)
+        if first is not None:
+            assert first.offset == f.data_offset
+        # padding is zeros
+        for r in regions:
+            if r.kind == "padding":
+                assert not any(f._mm[r.offset:r.end]), r
+    return regions
+
+
+def test_layout_of_the_shipped_model(shipped_model):
+    regions = check_layout(shipped_model)
+    kinds = [r.kind for r in regions]
+    assert kinds[:4] == ["header"] * 4 and [r.size for r in regions[:4]] == [4, 4, 8, 8]
+    with gguf.read(shipped_model) as f:
+        assert kinds.count("metadata") == len(f.fields) and kinds.count("tensor_data") == len(f.tensors)
+
+
+def _tensors(rng):
+    return {
+        "odd_f32": rng.standard_normal(7).astype(np.float32),          # 28 bytes: padding follows
+        "f16": rng.standard_normal((3, 5)).astype(np.float16),          # 30 bytes
+        "q4_0": TensorData(GGMLType.Q4_0, (2, 32), rng.integers(0, 256, 36, dtype=np.uint8)),
+        "q6_k": TensorData(GGMLType.Q6_K, (1, 256), rng.integers(0, 256, 210, dtype=np.uint8)),
+        "last": rng.standard_normal(3).astype(np.float32),
+    }
+
+
+@pytest.mark.parametrize("alignment", [1, 8, 32, 64, 4096])
+def test_layout_of_hand_made_files_with_odd_alignments(tmp_path, alignment):
+    path = tmp_path / f"a{alignment}.gguf"
+    gguf.write(path, {"general.architecture": "llama", "names": ["a", "bb"], "nested": [[1], [2.5]]},
+               _tensors(np.random.default_rng(alignment)), alignment=alignment)
+    regions = check_layout(path)
+    padding = [r for r in regions if r.kind == "padding"]
+    if alignment == 1:
+        assert not padding
+    else:
+        assert all(r.size < alignment for r in padding) and padding
+
+
+def test_layout_of_a_file_written_by_gguf_py_and_of_one_without_tensors(tmp_path):
+    path = tmp_path / "py.gguf"
+    w = gguf_py.GGUFWriter(str(path), "llama")
+    w.add_custom_alignment(64)
+    w.add_tensor("a", np.ones(5, np.float32))
+    w.add_tensor("b", np.ones((2, 3), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    check_layout(path)
+    empty = tmp_path / "empty.gguf"
+    gguf.write(empty, {"k": 1}, {})
+    regions = check_layout(empty)
+    assert [r.kind for r in regions][-1] in ("metadata", "padding")
+
+
+def test_hexdump_shows_offsets_hex_and_ascii():
+    text = gguf.hexdump(b"GGUF\x03\x00\x00\x00" + bytes(range(60, 70)), start=0x20)
+    first, second = text.splitlines()
+    assert first.startswith("00000020  47 47 55 46 03 00 00 00 3c 3d") and first.endswith("GGUF....<=>?@ABCDE"[:16])
+    assert second.startswith("00000030  44 45") and second.endswith("DE")
+
+
+# ---- measurements ---------------------------------------------------------------------------------
+
+def test_throughput_sweep_returns_every_offset_with_units_and_keeps_its_budget():
+    t0 = time.perf_counter()
+    rows = loading.throughput_sweep(offsets=(0, 1, 4, 32), sizes=(64 * 1024,), budget_s=0.5)
+    assert time.perf_counter() - t0 < 10
+    got = {(r.backend, r.op, r.offset_bytes) for r in rows}
+    assert got == {(b, op, o) for b in ("numpy", "mlx") for op in ("sum", "gemv") for o in (0, 1, 4, 32)
+                   if not (b == "mlx" and o % 4)}                      # MLX cannot view at 1 byte
+    for r in rows:
+        assert r.line_offset == r.offset_bytes % 64                     # the view sits where asked
+        assert r.float32_aligned == (r.offset_bytes % 4 == 0)
+        assert r.seconds > 0 and math.isclose(r.gb_per_s, r.buffer_bytes / r.seconds / 1e9)
+        assert 0.01 < r.gb_per_s < 10_000
+
+
+def test_write_synthetic_and_evict(tmp_path):
+    path = loading.write_synthetic(tmp_path / "s.gguf", total_mb=2, n_tensors=4)
+    with gguf.read(path) as f:
+        assert len(f.tensors) == 4 and f.metadata["general.architecture"] == "synthetic"
+        assert 1.5e6 < sum(t.nbytes for t in f.tensors.values()) <= 2e6
+        assert float(f.array("blk.3.weight")[0, 0]) == 3 / 8
+    assert loading.evict(path) is hasattr(os, "posix_fadvise")
+
+
+def test_rss_has_total_anon_and_file_in_mb():
+    m = loading.rss_mb()
+    assert set(m) == {"rss", "anon", "file"} and 1 < m["rss"] < 1e6
+
+
+@pytest.mark.parametrize("method", loading.METHODS)
+def test_measure_load_reports_time_and_resident_memory(tmp_path, method):
+    path = loading.write_synthetic(tmp_path / "s.gguf", total_mb=16, n_tensors=4)
+    for cache in ("cold", "warm") if hasattr(os, "posix_fadvise") else ("warm",):
+        t = loading.measure_load(path, method, cache)
+        assert t.method == method and t.cache == cache and math.isclose(t.file_mb, os.path.getsize(path) / 1e6)
+        assert 0 < t.open_s < 10 and 0 < t.first_pass_s < 10
+        if os.path.exists("/proc/self/status"):
+            if method == "mmap":      # the map costs nothing until read, then file-backed pages
+                assert t.rss_open_mb < 0.5 * t.file_mb and t.file_pass_mb > 0.8 * t.file_mb
+                assert t.anon_pass_mb < 0.25 * t.file_mb
+            else:                     # a private copy on the heap
+                assert t.anon_pass_mb > 0.8 * t.file_mb
+    with pytest.raises(ValueError):
+        loading.measure_load(path, "copy")
+
+
+def test_load_comparison_covers_methods_and_caches(tmp_path):
+    path = loading.write_synthetic(tmp_path / "s.gguf", total_mb=4, n_tensors=2)
+    rows = loading.load_comparison(path, methods=("mmap", "read"))
+    caches = ("cold", "warm") if hasattr(os, "posix_fadvise") else ("warm",)
+    assert [(r.cache, r.method) for r in rows] == [(c, m) for c in caches for m in ("mmap", "read")]
