@@ -79,7 +79,8 @@ def _check_input(x: np.ndarray, name: str) -> np.ndarray:
         raise ValueError(f"{name} needs a last dimension that is a positive multiple of {block}, got shape {x.shape}")
     if x.dtype.kind != "f":
         raise ValueError(f"{name} quantizes floating-point values, got dtype {x.dtype}")
-    x = x.astype(np.float32, copy=False)
+    with np.errstate(over="ignore"):            # a float64 beyond float32's range becomes inf: refused below
+        x = x.astype(np.float32, copy=False)
     finite = np.isfinite(x)
     if not finite.all():
         at = tuple(int(i) for i in np.unravel_index(np.argmin(finite), x.shape))
@@ -305,7 +306,7 @@ def quantize_q4_k(x: np.ndarray) -> np.ndarray:
     def kernel(blocks):
         head, q = _qkx_blocks(blocks, 15, -1.0, 0.1, 20)
         return np.concatenate([head, (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(len(q), 128)], axis=1)
-    return _quantize(x, "Q4_K", kernel, chunk=256)
+    return _quantize(x, "Q4_K", kernel, chunk=512)
 
 
 def quantize_q5_k(x: np.ndarray) -> np.ndarray:
@@ -320,7 +321,7 @@ def quantize_q5_k(x: np.ndarray) -> np.ndarray:
             qh |= (high[:, c, 0] << (2 * c)) | (high[:, c, 1] << (2 * c + 1))
         low = q & 0x0F
         return np.concatenate([head, qh, (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(len(q), 128)], axis=1)
-    return _quantize(x, "Q5_K", kernel, chunk=256)
+    return _quantize(x, "Q5_K", kernel, chunk=512)
 
 
 def _make_qx_quants(x: np.ndarray, nmax: int):
@@ -352,7 +353,7 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     """Float32 (..., n), n a multiple of 256 -> uint8 Q6_K super-blocks (..., n // 256 * 210).
 
     As ggml-quants.c quantize_row_q6_K_ref (make_qx_quants, then int8 scales against the largest)."""
-    return _quantize(x, "Q6_K", _q6_k_blocks, chunk=256)
+    return _quantize(x, "Q6_K", _q6_k_blocks, chunk=512)
 
 
 def _q6_k_blocks(x: np.ndarray) -> np.ndarray:
