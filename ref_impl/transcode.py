@@ -24,26 +24,36 @@ Nibble order: in each 32-byte chunk of Q4_K (16 bytes of Q4_0) the low nibbles a
 half of a span of values and the high nibbles the second half; MLX wants values 2k and 2k+1 in
 one byte, so every byte is rebuilt from two source bytes (`nibbles_to_mlx`).
 
-Exactness, measured by `transcode_error` (tests/test_transcode.py checks every claim):
-with float32 scales, all types but Q6_K decode bit-for-bit as `kquants` decodes them (max diff
-0.0): the products d*sc (17 significand bits) and d*sc*q (21) are exact in float32, so MLX's
-`scales * q + biases` rounds once, where kquants' `scale * q - offset` rounds. With float16 scales
-(a float16 model on a GPU; `mx.quantized_matmul` accepts float32 scales with float16 activations
-but then returns float32, silently turning the residual stream float32) d*sc and dmin*m are
-rounded to 11 bits: Q4_K and Q5_K weights move by up to ~2^-12 of the group's range, Q4_0, Q5_0
-and Q8_0 only by the float16 rounding of each output value (their scale and bias are exact).
+Exactness, measured by `transcode_error` (tests/test_transcode.py checks every claim): with
+float32 scales every type but Q6_K decodes bit for bit as `kquants` decodes it (max diff 0.0): d*sc
+(17 significand bits), dmin*m and d*sc*q (21) are exact in float32, so MLX's `scales * q + biases`
+rounds once, where kquants' `scale * q - offset` rounds. float16 scales (a float16 model on a GPU)
+round d*sc and dmin*m to 11 bits, and mx.dequantize then computes in float16. On the shipped
+model's llama.cpp Q4_K_M: Q4_K max error 2.9e-4 (weights up to 0.25); Q5_0 and Q8_0 2.4e-4, twice
+the 1.2e-4 that rounding their exact values to float16 costs anyway (their scale and bias are
+exact; the product and the sum round separately). `mx.quantized_matmul` does accept float32 scales
+with float16 activations, but computes and returns float32, so the residual stream silently turns
+float32: scales are stored in the model dtype unless `scale_dtype` says otherwise.
 
 Q6_K has 16-value sub-blocks with int8 scales s[j] and MLX has no group 16, so each group of 32
 spans two scales. Its exact values are integers v = s[j] q in units of d (|v| <= 4096), re-quantized
 to 8 bits over [vmin, vmax] of the group: with step g, the gcd of the two scales, when 255 steps of g
 span the group (then it is exact: equal scales always are), else with min-max's step span / 255,
 error <= step / 2. Measured on the shipped model's llama.cpp Q4_K_M (ffn_down of layers 2 and 5):
-max error 1.0e-3 (weights up to 0.44), at most 0.41 of the value's Q6_K step; RMS 0.25 of the error
-Q6_K itself adds, so the error against the float weights grows by 3.2%; 3% of groups are exact.
-The alternative, floats, is exact but costs 16 bits per weight against 9 (8-bit codes, float16
-scale and bias per 32), and Q6_K is most of a Q4_K_M model's output matrix, so 8 bits it is.
-Types with no native mapping (Q2_K, Q3_K with 16-value sub-blocks, the IQ codebooks) fall back to
-floats, and `plan` says so per tensor.
+max error 1.0e-3 (weights up to 0.44; 1.1e-3 with float16 scales), at most 0.41 of the value's Q6_K
+step; RMS 0.25 of the error Q6_K itself adds, so the error against the original float weights grows
+by 3.2%; 3% of groups are exact. Floats would be exact but cost 16 bits per weight against 9 (8-bit
+codes plus a float16 scale and bias per 32), and Q6_K is a quarter of a Q4_K_M Llama-3.1-8B (1.3 of
+4.9 GB: the output matrix, attn_v and ffn_down in 16 of 32 layers), so 8 bits it is.
+Types with no native mapping (Q2_K and Q3_K with 16-value sub-blocks, the IQ codebooks) fall back
+to floats, logged, and `plan` says so per tensor.
+
+Cost: MLX bits per weight are bits + 2 x 16 / 32 with float16 scales (4-bit 5.0, 5-bit 6.0, 8-bit
+9.0; float32 scales add 1.0), against Q4_K's 4.5, Q5_0's 5.5, Q8_0's 8.5 and Q6_K's 6.56. Repacking
+is vectorized numpy on all cores: a random Llama-3.1-8B-shaped Q4_K_M file (4.9 GB,
+`write_random_model`) transcodes in 6 s on 16 cores. On a CPU, MLX's quantized matmul is slower
+than float32 through OpenBLAS (the shipped Q4_K_M decodes at ~72 tokens/s quantized against ~120
+expanded), so `model.load` expands unless asked; on a GPU, reading ~3x fewer bytes is the point.
 
 References: MLX `mx.quantize` docs (affine mode); llama.cpp ggml-quants.c `dequantize_row_q4_K`,
 `dequantize_row_q5_K`, `dequantize_row_q6_K`; block layouts in kquants.py.
@@ -62,7 +72,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import gguf, kquants
+from . import gguf, kquants, quantize
 from .model import Model, ModelArgs, default_dtype, gguf_weight_names
 
 GROUP = 32   # every mapping uses MLX group 32: the GGML (sub-)block size
@@ -414,41 +424,38 @@ def _random_f16(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     return ((bits & 0x87FF) | 0x2000).view("<f2")
 
 
-def _q4_k_m_type(name: str, layer: int, n_layers: int) -> str:
-    """llama.cpp's Q4_K_M mix: Q6_K for the output matrix and for attn_v and ffn_down of the layers
-    `use_more_bits` picks (first and last eighth, every third in between), Q4_K elsewhere."""
-    if name == "output":
-        return "Q6_K"
-    more = layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
-    return "Q6_K" if name in ("attn_v", "ffn_down") and more else "Q4_K"
-
-
-def write_random_model(path: str | Path, args: ModelArgs, weight_type: str = "Q4_K", seed: int = 0) -> Path:
-    """A llama GGUF of args' shape with random weights in weight_type ("F16", a quantized type, or
-    "Q4_K_M" for llama.cpp's mix), norms F32 -- for speed measurements, e.g. Llama-3.1-8B:
-    ModelArgs(128256, 4096, 32, 14336, 32, 8, tie_word_embeddings=False). Returns path."""
+def write_random_model(path: str | Path, args: ModelArgs, file_type: str = "Q4_K", seed: int = 0) -> Path:
+    """A llama GGUF of args' shape with random weights, typed per tensor as llama.cpp's quantizer
+    would type a `file_type` file (quantize.tensor_types: "Q4_K_M" mixes Q4_K and Q6_K; "Q4_K",
+    "Q8_0", "F16", ...), norms F32 -- for speed measurements, e.g. Llama-3.1-8B:
+    ModelArgs(128256, 4096, 32, 14336, 32, 8, tie_word_embeddings=False) (4.9 GB in Q4_K_M).
+    Blocks are random bytes with valid scales: nothing is quantized, so 5 GB take seconds. Returns path."""
     rng = np.random.default_rng(seed)
-    d, hd, L = args.hidden_size, args.head_dim, args.num_hidden_layers
-
-    def matrix(short: str, layer: int, rows: int, cols: int):
-        t = _q4_k_m_type(short, layer, L) if weight_type == "Q4_K_M" else weight_type
-        if t == "F16":
-            return _random_f16(rows, cols, rng)
-        if cols % gguf.BLOCK[gguf.GGMLType[t]][0]:
-            t = "Q8_0"                                                  # llama.cpp's fallback too
-        return gguf.TensorData(gguf.GGMLType[t], (rows, cols), random_blocks(t, rows, cols, rng))
-
-    norm = np.ones(d, np.float32)
-    tensors = {"token_embd.weight": matrix("token_embd", 0, args.vocab_size, d), "output_norm.weight": norm}
+    d, hd = args.hidden_size, args.head_dim
+    shapes = {"token_embd.weight": (args.vocab_size, d), "output_norm.weight": (d,)}
     if not args.tie_word_embeddings:
-        tensors["output.weight"] = matrix("output", 0, args.vocab_size, d)
-    shapes = {"attn_q": (args.num_attention_heads * hd, d), "attn_k": (args.num_key_value_heads * hd, d),
-              "attn_v": (args.num_key_value_heads * hd, d), "attn_output": (d, args.num_attention_heads * hd),
-              "ffn_gate": (args.intermediate_size, d), "ffn_up": (args.intermediate_size, d),
-              "ffn_down": (d, args.intermediate_size)}
-    for i in range(L):
-        tensors[f"blk.{i}.attn_norm.weight"] = tensors[f"blk.{i}.ffn_norm.weight"] = norm
-        for short, (rows, cols) in shapes.items():
-            tensors[f"blk.{i}.{short}.weight"] = matrix(short, i, rows, cols)
+        shapes["output.weight"] = (args.vocab_size, d)
+    for i in range(args.num_hidden_layers):
+        p = f"blk.{i}."
+        shapes.update({p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,),
+                       p + "attn_q.weight": (args.num_attention_heads * hd, d),
+                       p + "attn_k.weight": (args.num_key_value_heads * hd, d),
+                       p + "attn_v.weight": (args.num_key_value_heads * hd, d),
+                       p + "attn_output.weight": (d, args.num_attention_heads * hd),
+                       p + "ffn_gate.weight": (args.intermediate_size, d),
+                       p + "ffn_up.weight": (args.intermediate_size, d),
+                       p + "ffn_down.weight": (d, args.intermediate_size)})
+    infos = {n: gguf.TensorInfo(n, gguf.GGMLType.F32, s, 0, 0) for n, s in shapes.items()}
+    tensors = {}
+    for name, t in quantize.tensor_types(infos, file_type).items():
+        shape = shapes[name]
+        if len(shape) == 1:
+            tensors[name] = np.ones(shape, np.float32)
+        elif t == "F32":
+            tensors[name] = _random_f16(*shape, rng).astype(np.float32)
+        elif t == "F16":
+            tensors[name] = _random_f16(*shape, rng)
+        else:
+            tensors[name] = gguf.TensorData(gguf.GGMLType[t], shape, random_blocks(t, *shape, rng))
     gguf.write(path, args.gguf_metadata(), tensors)
     return Path(path)

@@ -207,16 +207,17 @@ def test_generate_runs_quantized(llama_q4_k_m):
 
 
 def test_write_random_model(tmp_path):
-    """Random Llama-shaped files build from raw blocks: Q4_K_M's type mix, or F16, and both load."""
+    """Random Llama-shaped files build from raw blocks, typed as llama.cpp types a Q4_K_M (or F16)
+    file, and load."""
     args = ModelArgs(300, 256, 8, 512, 4, 2, max_position_embeddings=64, tie_word_embeddings=False)
-    for weight_type in ("Q4_K_M", "F16"):
-        path = transcode.write_random_model(tmp_path / f"{weight_type}.gguf", args, weight_type)
+    for file_type in ("Q4_K_M", "F16"):
+        path = transcode.write_random_model(tmp_path / f"{file_type}.gguf", args, file_type)
         with gguf.read(path) as f:
             types = {n: i.type.name for n, i in f.tensors.items()}
             model = load_model(f, mx.float32, quantized=True)
         logits = model(mx.array([TOKENS]))
         assert logits.shape == (1, len(TOKENS), 300) and np.isfinite(np.array(logits)).all()
-        if weight_type == "F16":
+        if file_type == "F16":
             assert set(types.values()) == {"F16", "F32"}
             assert layer_types(model)["lm_head"] == ("Linear", None)
         else:   # use_more_bits(i, 8): layers 0, 3, 6, 7
