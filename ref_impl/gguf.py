@@ -622,17 +622,16 @@ def layout(path: str | os.PathLike) -> list[Region]:
             r.string("name")
             r.take(8 * r.u32("n_dims") + 12, name)   # ne, type (u32), offset (u64)
             span("tensor_info", name, start)
-        pos, before = r.pos, "the data section"
+        pos, label = r.pos, "before the data section"
         for info in sorted(f.tensors.values(), key=lambda t: t.offset):
             if info.offset < pos:
                 raise GGUFError(f"tensor {info.name!r} data at {info.offset} overlaps the bytes before it (to {pos})")
             if info.offset > pos:
-                regions.append(Region("padding", f"before {before}", pos, info.offset - pos))
+                regions.append(Region("padding", label, pos, info.offset - pos))
             regions.append(Region("tensor_data", info.name, info.offset, info.nbytes))
-            pos, before = info.offset + info.nbytes, f"after {info.name}"
+            pos, label = info.offset + info.nbytes, f"after {info.name}"
         if pos < r.size:
-            regions.append(Region("padding", f"after {before[6:]}" if f.tensors else "before the data section",
-                                  pos, r.size - pos))
+            regions.append(Region("padding", label, pos, r.size - pos))
         return regions
 
 

@@ -80,6 +80,21 @@ def one_thread() -> Iterator[None]:
             put(n)
 
 
+def numpy_blas() -> str:
+    """The BLAS behind numpy and the CPU kernels it picked, e.g. "OpenBLAS (SkylakeX kernels)"."""
+    cfg = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+    name = cfg.get("name", "unknown BLAS")
+    if os.path.exists("/proc/self/maps"):
+        for path in {line.split()[-1] for line in open("/proc/self/maps") if "openblas" in line.lower()}:
+            lib = ctypes.CDLL(path)
+            for sym in ("scipy_openblas_get_corename64_", "openblas_get_corename"):
+                if "numpy" in path and hasattr(lib, sym):
+                    fn = getattr(lib, sym)
+                    fn.restype = ctypes.c_char_p
+                    return f"{name} ({fn().decode()} kernels)"
+    return name
+
+
 def _calls_per_timing(fn: Callable[[], object], target_s: float) -> int:
     """How many calls of `fn` fill about `target_s` (so tiny calls are timed in a loop)."""
     t0 = time.perf_counter()
