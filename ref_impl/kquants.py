@@ -44,12 +44,15 @@ Bit-exactness needs C's float32 semantics: each operation rounded in the C sourc
 accumulated one term at a time (numpy's pairwise `sum` differs), `nearest_int` rounding halves to
 even and fp16 conversion rounding to nearest even. The FMA trap: a llama.cpp compiled with FMA
 contraction (`-march=native` under GCC's default `-ffp-contract=fast`, or clang on Apple silicon)
-fuses `a*b + c` into one rounding and quantizes ~6% of Q4_K blocks differently. Our reference is
-the non-FMA build (llama-cpp-python's libggml-base), and we match it byte for byte.
+fuses `a*b + c` into one rounding, and the scale search then picks a different candidate in some
+blocks (about 1% of Q4_K blocks of Gaussian data when only the sums are fused; reportedly ~6% for
+a real -march=native build). Our reference is the non-FMA build (llama-cpp-python's libggml-base),
+and we match it byte for byte.
 
 Non-finite input (inf, nan) raises ValueError naming its first position: llama.cpp would write a
-block of meaningless bytes. Inputs with max|x| below ~2.4e-38 in a Q4_0/Q5_0 block overflow 1/d
-as in Q8_0; there our quants are what x86 gives for C's undefined cast (all 0, with d = 0).
+block of meaningless bytes. A Q4_0 (Q5_0) block with 0 < max|x| < ~2.4e-38 (~4.7e-38) overflows
+1/d as Q8_0 does; C's float -> int8 cast of inf is undefined there, and we write what this x86
+build writes: d = +-0 and every quant 0.
 
 See chapter: k-quants
 """

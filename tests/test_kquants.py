@@ -294,27 +294,31 @@ def test_q_0_error_bound(x, kind):
 
 
 def _k_bound(x: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """Per sub-block: the largest error and its bound.
+    """Per value: the error of a quantize/dequantize round trip and its bound.
 
     Q4_K/Q5_K: a sub-block of range R = max(x) - min(x, 0) gets a step of about R/(nmax-1) or finer,
     so rounding costs half of that. The 6-bit scale and min are off by up to half of max_scale/63
     and max_min/63 (both at most R_max/63 over the super-block's largest range R_max), which
     moves the far end of the sub-block's grid by up to (nmax*max_scale + max_min)/126 ~ R_max/63.
-    Q6_K: step about amax/32 (up to amax/31.1 in the search), half a step inside the grid, a whole
-    one where a value of the other sign clips at +31 steps; the int8 scales are off by up to
+    Q6_K: step about amax/32 (amax/31.1 to amax/32.9 in the search), so half of amax/31 inside the
+    grid; a value of the other sign beyond 31 steps clips there. The int8 scales are off by up to
     max_scale/256, which moves the 32nd step by amax_max/248.
-    A slack of 2**-25 * 63 * 63 covers subnormal fp16 scales."""
+    fp16 rounds d and dmin by up to 2**-11 of themselves, which moves a value by up to 2**-10 max|x|,
+    and a slack of 2**-25 * 63 * 63 covers subnormal fp16 scales; super-blocks with max|x| > 1e6, whose
+    fp16 dmin (up to max|x|/63) may overflow, are left out."""
     if name == "Q6_K":
         xs = x.reshape(-1, 16, 16).astype(np.float64)
-        a = np.abs(xs).max(axis=2)
-        bound = a / 31 + a.max(axis=1, keepdims=True) / 200
+        a = np.abs(xs).max(axis=2, keepdims=True)
+        bound = 0.5 * a / 31 + np.maximum(0, np.abs(xs) - 31 * a / 33) + a.max(axis=1, keepdims=True) / 200
     else:
         nmax = 15 if name == "Q4_K" else 31
         xs = x.reshape(-1, 8, 32).astype(np.float64)
-        r = xs.max(axis=2) - np.minimum(xs.min(axis=2), 0)
-        bound = 0.5 * r / (nmax - 1) + r.max(axis=1, keepdims=True) / 50
-    err = np.abs(kquants.DEQUANTIZE[name](kquants.QUANTIZE[name](x)).reshape(xs.shape) - xs).max(axis=2)
-    return err, bound * (1 + 1e-5) + 2.0**-25 * 63 * 63
+        r = xs.max(axis=2, keepdims=True) - np.minimum(xs.min(axis=2, keepdims=True), 0)
+        bound = 0.5 * r / (nmax - 1) + r.max(axis=1, keepdims=True) / 50 + 0 * xs
+    bound = bound + 2.0**-10 * np.abs(xs).max(axis=(1, 2), keepdims=True)   # fp16 rounding of d, dmin
+    err = np.abs(kquants.DEQUANTIZE[name](kquants.QUANTIZE[name](x)).reshape(xs.shape) - xs)
+    fits_fp16 = np.abs(xs).max(axis=(1, 2), keepdims=True) <= 1e6   # beyond, dmin can overflow fp16
+    return np.where(fits_fp16, err, 0), bound * (1 + 1e-5) + 2.0**-25 * 63 * 63
 
 
 @settings(max_examples=60, deadline=None)
@@ -327,14 +331,14 @@ def test_k_quant_error_bound(seed, dist, scale, name):
          "uniform": rng.uniform(-0.2, 1, n), "spiky": np.where(rng.random(n) < 0.02, 50.0, rng.standard_normal(n)),
          "scaled": rng.standard_normal(n) * np.repeat(rng.lognormal(0, 2, n // 16), 16)}[dist]
     err, bound = _k_bound((x * scale).astype(np.float32), name)
-    assert np.all(err <= bound), f"worst sub-block: err/bound = {(err / bound).max():.3f}"
+    assert np.all(err <= bound), f"worst value: err/bound = {(err / bound).max():.3f}"
 
 
 @settings(max_examples=60, deadline=None)
 @given(hnp.arrays(np.float32, st.just(256), elements=st.floats(-1e3, 1e3, width=32)), st.sampled_from(K_TYPES))
 def test_k_quant_error_bound_any_values(x, name):
     err, bound = _k_bound(x, name)
-    assert np.all(err <= bound), f"worst sub-block: err/bound = {(err / bound).max():.3f}"
+    assert np.all(err <= bound), f"worst value: err/bound = {(err / bound).max():.3f}"
 
 
 # ---------------------------------------------------------------------------- 6-bit scale packing
@@ -366,11 +370,9 @@ def test_q4_k_scale_packing_rejects_7_bit_values():
 # ------------------------------------------------------------------------------- corrupt input
 
 @pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("shape", [(), (0,), (3, 0), (0, 256), (31,), (4, 33), (2, 288)])
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0), (0, 256), (31,), (4, 33), (2, 272)])
 def test_quantize_rejects_bad_shapes(name, shape):
     block = ggml_oracle.TYPES[name][0]
-    if shape and shape[-1] % block == 0 and shape[-1] and 0 not in shape:
-        pytest.skip("a valid shape for this block size")
     with pytest.raises(ValueError, match=f"{name} needs a last dimension that is a positive multiple of {block}"):
         kquants.QUANTIZE[name](np.ones(shape, np.float32))
 
