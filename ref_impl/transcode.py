@@ -264,16 +264,6 @@ FLOAT_TYPES = (gguf.GGMLType.F32, gguf.GGMLType.F16, gguf.GGMLType.BF16)
 FLOAT_NAMES = {t.name for t in FLOAT_TYPES}
 
 
-_POOL: ThreadPoolExecutor | None = None
-
-
-def _pool() -> ThreadPoolExecutor:
-    global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="transcode")
-    return _POOL
-
-
 def transcode_tensor(name: str, type: gguf.GGMLType, data: np.ndarray, shape: tuple[int, ...]) -> Affine:
     """Rewrite one 2-D GGML tensor's blocks (uint8 (rows, row_bytes), as GGUFFile.array gives them)
     as MLX affine arrays. Large tensors are cut into row chunks repacked on all cores (numpy
@@ -301,7 +291,8 @@ def transcode_tensor(name: str, type: gguf.GGMLType, data: np.ndarray, shape: tu
     if rows <= chunk:
         run(0, rows)
     else:
-        list(_pool().map(lambda lo: run(lo, min(lo + chunk, rows)), range(0, rows, chunk)))
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            list(pool.map(lambda lo: run(lo, min(lo + chunk, rows)), range(0, rows, chunk)))
     return Affine(weight, scales, biases, bits)
 
 
