@@ -280,7 +280,7 @@ def bench_quant(path: Path, work_dir: Path, file_types: Sequence[str] = QUANT_TY
 def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float]:
     """MLX's own memory bandwidth on the default device, in GB/s: a copy (x + 1: reads and writes every
     byte once, as STREAM's Copy) and a read (a sum). The roof a decode step's weight reads run against."""
-    x = mx.ones((nbytes // 2,), dtype=mx.float16)
+    x = mx.ones((nbytes // 4,), dtype=mx.float32)
     mx.eval(x)
     out = {}
     for kind, op, moved in (("copy", lambda: x + 1, 2 * nbytes), ("read", lambda: x.sum(), nbytes)):
@@ -322,6 +322,7 @@ def bench_shape(shape: str, args: ModelArgs, weight_types: Sequence[str], work_d
     values), per weight type, native MLX quantization, with the share of measured bandwidth it reaches."""
     from . import transcode
 
+    work_dir.mkdir(parents=True, exist_ok=True)
     bw = memory_bandwidth()
     records = [{"experiment": "bandwidth", "model": None, "weights": None, "kv": None, "context": None,
                 "variant": kind, "metric": "bandwidth", "unit": "GB/s", "value": v, "samples": [], "peer": None}

@@ -51,6 +51,13 @@ FILE_TYPES = {ft.name: ft for ft in (
     FileType("Q4_K", 14, "Q4_K", False),    # LLAMA_FTYPE_MOSTLY_Q4_K_S with --pure
     FileType("Q4_0", 2, "Q4_0", True),
 )}
+# llama.cpp's own published numbers for Llama-3-8B: file size (GiB) and perplexity increase over F16,
+# from the QUANT_OPTIONS table of tools/quantize/quantize.cpp (the llama.cpp llama-cpp-python 0.3.36
+# vendors). Llama-3-8B has 8,030,261,248 weights (meta-llama/Meta-Llama-3-8B, model.safetensors.index.json).
+LLAMA3_8B_WEIGHTS = 8_030_261_248
+LLAMA_CPP_PUBLISHED = {"Q3_K_M": (3.74, 0.6569), "Q4_0": (4.34, 0.4685), "Q4_K_S": (4.37, 0.2689),
+                       "Q4_K_M": (4.58, 0.1754), "Q5_0": (5.21, 0.1316), "Q5_K_M": (5.33, 0.0569),
+                       "Q6_K": (6.14, 0.0217), "Q8_0": (7.96, 0.0026)}
 QUANTIZATION_VERSION = 2  # ggml.h GGML_QNT_VERSION, written as general.quantization_version
 FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
@@ -152,3 +159,36 @@ def quantize_file(src: str | os.PathLike, dst: str | os.PathLike, file_type: str
                 tensors[name] = convert(_as_float32(f, name), types[name])
         gguf.write(dst, meta, tensors)
     return types
+
+
+def roundtrip(x: np.ndarray, type_name: str) -> np.ndarray:
+    """float32 `x` quantized to `type_name` and back: the rounding the format alone adds. Where a row
+    holds no whole block (the shipped model's rows of 384 against 256-value super-blocks), blocks
+    run on across rows: a simulation of the format, since llama.cpp would fall back to another type."""
+    x = np.asarray(x, dtype=np.float32)
+    block = _block_size(type_name)
+    if x.size % block:
+        raise ValueError(f"{x.size} values do not fill whole {type_name} blocks of {block}")
+    rows = x.reshape(-1, block) if x.shape[-1] % block else x
+    return kquants.DEQUANTIZE[type_name](kquants.QUANTIZE[type_name](rows)).reshape(x.shape)
+
+
+def relative_error(x: np.ndarray, type_name: str) -> float:
+    """RMS of the rounding error over RMS of the weights, for one tensor in one format."""
+    x = np.asarray(x, dtype=np.float32)
+    return float(np.sqrt(np.mean((roundtrip(x, type_name) - x) ** 2) / np.mean(x ** 2)))
+
+
+def simulate(path: str | os.PathLike, type_name: str, select=lambda name: True):
+    """The float model at `path` with the matrices whose GGUF names `select` accepts replaced by their
+    round trip through `type_name` (float32 weights): isolates what one format does to chosen layers."""
+    from .model import gguf_to_mlx_name, load
+
+    import mlx.core as mx
+
+    model, _ = load(path, mx.float32)
+    with gguf.read(path) as f:
+        chosen = [n for n, t in f.tensors.items() if len(t.shape) == 2 and select(n)]
+        model.load_weights([(gguf_to_mlx_name(n), mx.array(roundtrip(_as_float32(f, n), type_name)))
+                            for n in chosen])
+    return model

@@ -100,3 +100,39 @@ def test_bad_requests(models, tmp_path):
         quantize.quantize_file(tmp_path / "q8.gguf", tmp_path / "q4.gguf", "Q4_K_M")
     with pytest.raises(gguf.GGUFError):
         quantize.quantize_file(tmp_path / "missing.gguf", tmp_path / "q4.gguf", "Q4_K_M")
+
+
+def test_roundtrip_across_rows_is_the_blockwise_round_trip():
+    """Rows of 384 hold 1.5 super-blocks: the simulation quantizes the flat run of 256-value blocks."""
+    from ref_impl import kquants
+
+    x = np.random.default_rng(0).standard_normal((4, 384)).astype(np.float32)
+    flat = kquants.dequantize_q4_k(kquants.quantize_q4_k(x.reshape(6, 256))).reshape(4, 384)
+    assert np.array_equal(quantize.roundtrip(x, "Q4_K"), flat)
+    y = x[:, :256]                                   # whole blocks per row: the real format
+    assert np.array_equal(quantize.roundtrip(y, "Q4_K"), kquants.dequantize_q4_k(kquants.quantize_q4_k(y)))
+    with pytest.raises(ValueError, match="do not fill whole Q4_K blocks of 256"):
+        quantize.roundtrip(x[:, :100], "Q4_K")
+
+
+def test_relative_error_orders_the_formats():
+    """More bits, less error; on Gaussian weights Q4_0 and Q4_K at 4.5 bits differ, Q8_0 is ~100x better."""
+    x = np.random.default_rng(1).standard_normal((64, 512)).astype(np.float32)
+    err = {t: quantize.relative_error(x, t) for t in ("Q8_0", "Q6_K", "Q5_0", "Q4_K", "Q4_0")}
+    assert err["Q8_0"] < err["Q6_K"] < err["Q5_0"] < err["Q4_K"] < err["Q4_0"]
+    assert err["Q8_0"] < err["Q4_0"] / 10
+    assert quantize.relative_error(np.full((2, 32), 127, np.float32), "Q8_0") == 0.0   # d = 1, q = 127: exact
+
+
+def test_simulate_changes_only_the_selected_matrices(models):
+    import mlx.core as mx
+
+    from ref_impl.model import load
+
+    path = models["tied-8"]
+    base, _ = load(path, mx.float32)
+    sim = quantize.simulate(path, "Q4_0", lambda n: "ffn_down" in n)
+    with gguf.read(path) as f:
+        w = f.array("blk.3.ffn_down.weight")
+    assert np.array_equal(np.array(sim.layers[3].mlp.down_proj.weight), quantize.roundtrip(w, "Q4_0"))
+    assert np.array_equal(np.array(sim.layers[3].mlp.up_proj.weight), np.array(base.layers[3].mlp.up_proj.weight))
