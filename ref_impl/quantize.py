@@ -182,12 +182,12 @@ def relative_error(x: np.ndarray, type_name: str) -> float:
 def simulate(path: str | os.PathLike, type_name: str, select=lambda name: True):
     """The float model at `path` with the matrices whose GGUF names `select` accepts replaced by their
     round trip through `type_name` (float32 weights): isolates what one format does to chosen layers."""
-    from .model import gguf_to_mlx_name, load
-
     import mlx.core as mx
 
-    model, _ = load(path, mx.float32)
+    from .model import gguf_to_mlx_name, load_model
+
     with gguf.read(path) as f:
+        model = load_model(f, mx.float32)
         chosen = [n for n, t in f.tensors.items() if len(t.shape) == 2 and select(n)]
         model.load_weights([(gguf_to_mlx_name(n), mx.array(roundtrip(_as_float32(f, n), type_name)))
                             for n in chosen])
