@@ -190,5 +190,5 @@ def simulate(path: str | os.PathLike, type_name: str, select=lambda name: True):
         model = load_model(f, mx.float32)
         chosen = [n for n, t in f.tensors.items() if len(t.shape) == 2 and select(n)]
         model.load_weights([(gguf_to_mlx_name(n), mx.array(roundtrip(_as_float32(f, n), type_name)))
-                            for n in chosen])
+                            for n in chosen], strict=False)
     return model
