@@ -72,22 +72,7 @@ def test_wrong_byte_count_is_a_clear_error(name):
         kquants.DEQUANTIZE[name](np.zeros((2, block_bytes(name)), dtype=np.float32))
 
 
-@pytest.fixture(scope="module")
-def q4_k_m(shipped_model, tmp_path_factory):
-    """The shipped model quantized to Q4_K_M by llama.cpp itself (Q4_K, Q6_K, and Q5_0/Q8_0 where
-    rows of 384 are not a multiple of 256)."""
-    import ctypes
-
-    import llama_cpp
-
-    out = tmp_path_factory.mktemp("q4km") / "stdlib-10m-Q4_K_M.gguf"
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, 1
-    assert llama_cpp.llama_model_quantize(str(shipped_model).encode(), str(out).encode(), ctypes.byref(params)) == 0
-    return out
-
-
-def test_decoder_runs_a_llama_cpp_q4_k_m_file(q4_k_m):
+def test_decoder_runs_a_llama_cpp_q4_k_m_file(llama_q4_k_m):
     """Expanded to floats, a llama.cpp Q4_K_M file decodes as llama.cpp decodes it: the same top-1
     token at >= 95% of the positions of held-out text (llama.cpp also rounds the activations to 8
     bits in its dot products, so logits differ by more than float error)."""
@@ -99,14 +84,14 @@ def test_decoder_runs_a_llama_cpp_q4_k_m_file(q4_k_m):
     from ref_impl import gguf as our_gguf
     from ref_impl.model import load
 
-    with our_gguf.read(q4_k_m) as f:
+    with our_gguf.read(llama_q4_k_m) as f:
         types = {t.type.name for t in f.tensors.values()}
     assert {"Q4_K", "Q6_K", "Q5_0"} <= types
-    model, tok = load(q4_k_m, mx.float32)
+    model, tok = load(llama_q4_k_m, mx.float32)
     text = open(sysconfig.get_paths()["stdlib"] + "/argparse.py", encoding="utf-8").read()[20000:23000]
     ids = tok.encode(text, bos=True)[:256]
     ours = np.array(model(mx.array([ids]))[0])
-    llm = llama_cpp.Llama(str(q4_k_m), n_ctx=512, logits_all=True, n_threads=1, n_threads_batch=1,
+    llm = llama_cpp.Llama(str(llama_q4_k_m), n_ctx=512, logits_all=True, n_threads=1, n_threads_batch=1,
                           type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32, verbose=False)
     llm.eval(ids)
     theirs = np.array(llm.scores[: len(ids)])

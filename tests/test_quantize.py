@@ -7,24 +7,11 @@ llama.cpp picks and the very same bytes.
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import pytest
 
 from ref_impl import gguf, quantize
-from tests.conftest import write_random_llama
-
-
-def llama_cpp_quantize(src, dst, file_type: str) -> None:
-    """Quantize with llama.cpp: our FILE_TYPES name -> its ftype (pure for our 'Q4_K'), one thread."""
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = quantize.FILE_TYPES[file_type].ftype
-    params.pure = file_type == "Q4_K"
-    params.nthread = 1
-    assert llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) == 0
+from tests.conftest import llama_cpp_quantize, write_random_llama
 
 
 @pytest.fixture(scope="module")
