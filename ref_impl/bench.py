@@ -227,10 +227,9 @@ def bench_quant(path: Path, work_dir: Path, file_types: Sequence[str] = QUANT_TY
     weight, held-out perplexity (ppl_tokens tokens of the files the model never trained on, the
     same tokens for every type; 0 skips it) and decode speed with the weights MLX-quantized
     ("native") and expanded to floats ("dequantized"), and llama.cpp on the same file."""
+    from . import transcode
     from .quantize import quantize_file
     from .tokenizer import Tokenizer
-    from .train import heldout_stream, mean_loss
-    from . import transcode
 
     work_dir.mkdir(parents=True, exist_ok=True)
     with gguf.read(path) as f:
@@ -238,6 +237,7 @@ def bench_quant(path: Path, work_dir: Path, file_types: Sequence[str] = QUANT_TY
         name = f.metadata.get("general.name", path.stem)
         context = ModelArgs.from_gguf(f.metadata, f.tensors).max_position_embeddings
     if ppl_tokens:
+        from .train import heldout_stream, mean_loss
         stream, fingerprint = heldout_stream(tokenizer)
     prompt = np.random.default_rng(seed).integers(1, tokenizer.vocab_size, size=prompt_len).tolist()
     records = []
