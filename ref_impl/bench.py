@@ -349,15 +349,17 @@ def bench_shape(shape: str, args: ModelArgs, weight_types: Sequence[str], work_d
 
 
 def _git_commit() -> str:
-    """The commit of the code that ran: git's answer, or REF_IMPL_GIT where the tree has no .git
-    (a copy on a lent GPU machine)."""
+    """The commit of the code that ran: REF_IMPL_GIT where set (a copy of the tree on a lent GPU
+    machine, whose .git, if any, need not match the files it ran), else git's answer."""
+    if os.environ.get("REF_IMPL_GIT"):
+        return os.environ["REF_IMPL_GIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
         if out.returncode == 0:
             return out.stdout.strip()
     except OSError:
         pass
-    return os.environ.get("REF_IMPL_GIT", "unknown")
+    return "unknown"
 
 
 def write_results(records: list[dict], out_dir: Path, command: str, label: str | None = None) -> Path:
