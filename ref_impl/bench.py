@@ -362,6 +362,18 @@ def _git_commit() -> str:
     return "unknown"
 
 
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
+
+
+def read_results(experiment: str, results_dir: Path = RESULTS_DIR) -> list[tuple[str, dict, dict]]:
+    """(file name, machine, record) of every record of one experiment in results/*.json, peers included."""
+    out = []
+    for path in sorted(results_dir.glob("*.json")):
+        data = json.loads(path.read_text())
+        out += [(path.name, data["machine"], r) for r in data["records"] if r["experiment"] == experiment]
+    return out
+
+
 def write_results(records: list[dict], out_dir: Path, command: str, label: str | None = None) -> Path:
     """Write results/<machine>-<date>.json in the course's one results shape."""
     machine = machine_info(label)

@@ -192,3 +192,26 @@ def simulate(path: str | os.PathLike, type_name: str, select=lambda name: True):
         model.load_weights([(gguf_to_mlx_name(n), mx.array(roundtrip(_as_float32(f, n), type_name)))
                             for n in chosen], strict=False)
     return model
+
+
+def with_llama_cpp(src: str | os.PathLike, dst: str | os.PathLike, file_type: str) -> dict[str, str]:
+    """The same job done by llama.cpp itself (llama-cpp-python's `llama_model_quantize`, one thread,
+    its log silenced): the oracle our files are compared with. Returns each tensor's type."""
+    import ctypes
+
+    import llama_cpp
+    from llama_cpp import _logger
+
+    if file_type not in FILE_TYPES:
+        raise ValueError(f"unknown file type {file_type!r}; choose one of {', '.join(FILE_TYPES)}")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.pure, params.nthread = FILE_TYPES[file_type].ftype, file_type == "Q4_K", 1
+    level = _logger.logger.level
+    _logger.set_verbose(False)
+    try:
+        if llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(dst), ctypes.byref(params)) != 0:
+            raise RuntimeError(f"llama.cpp could not quantize {src} to {file_type}")
+    finally:
+        _logger.logger.setLevel(level)
+    with gguf.read(dst) as f:
+        return {n: t.type.name for n, t in f.tensors.items()}

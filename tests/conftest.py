@@ -90,23 +90,12 @@ def shipped_model() -> Path:
     return SHIPPED
 
 
-def llama_cpp_quantize(src: Path, dst: Path, file_type: str) -> Path:
-    """Quantize with llama.cpp itself, one thread: a ref_impl.quantize.FILE_TYPES name -> its ftype
-    (our 'Q4_K' is llama.cpp's --pure Q4_K_S)."""
-    import ctypes
-
-    import llama_cpp
-
-    from ref_impl.quantize import FILE_TYPES
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, params.pure, params.nthread = FILE_TYPES[file_type].ftype, file_type == "Q4_K", 1
-    assert llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) == 0
-    return dst
-
-
 @pytest.fixture(scope="session")
 def llama_q4_k_m(shipped_model, tmp_path_factory) -> Path:
     """The shipped model quantized to Q4_K_M by llama.cpp itself (Q4_K, Q6_K, and Q5_0/Q8_0 where
     rows of 384 are not a multiple of 256)."""
-    return llama_cpp_quantize(shipped_model, tmp_path_factory.mktemp("q4km") / "stdlib-10m-Q4_K_M.gguf", "Q4_K_M")
+    from ref_impl.quantize import with_llama_cpp
+
+    out = tmp_path_factory.mktemp("q4km") / "stdlib-10m-Q4_K_M.gguf"
+    with_llama_cpp(shipped_model, out, "Q4_K_M")
+    return out

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ref_impl import gguf, quantize
-from tests.conftest import llama_cpp_quantize, write_random_llama
+from tests.conftest import write_random_llama
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def models(shipped_model, tmp_path_factory):
 @pytest.mark.parametrize("file_type", ["F16", "Q8_0", "Q4_0", "Q6_K", "Q4_K_M", "Q4_K"])
 def test_file_matches_llama_cpp(models, tmp_path, model, file_type):
     theirs, ours = tmp_path / "llama.cpp.gguf", tmp_path / "ours.gguf"
-    llama_cpp_quantize(models[model], theirs, file_type)
+    quantize.with_llama_cpp(models[model], theirs, file_type)
     types = quantize.quantize_file(models[model], ours, file_type)
     with gguf.read(theirs) as t, gguf.read(ours) as o:
         assert list(o.tensors) == list(t.tensors)
@@ -74,14 +74,14 @@ def test_row_not_a_multiple_of_32_becomes_f16(tmp_path):
         types = quantize.tensor_types(f.tensors, "Q4_K_M")
     assert types["blk.0.ffn_down.weight"] == "F16"      # rows of 40
     assert types["blk.0.ffn_gate.weight"] == "Q5_0"     # rows of 64: 32-blocks fit, 256-blocks do not
-    llama_cpp_quantize(path, tmp_path / "theirs.gguf", "Q4_K_M")
-    with gguf.read(tmp_path / "theirs.gguf") as t:
-        assert {n: i.type.name for n, i in t.tensors.items()} == types
+    assert quantize.with_llama_cpp(path, tmp_path / "theirs.gguf", "Q4_K_M") == types
 
 
 def test_bad_requests(models, tmp_path):
     with pytest.raises(ValueError, match="unknown file type 'Q3_K'"):
         quantize.quantize_file(models["shipped"], tmp_path / "x.gguf", "Q3_K")
+    with pytest.raises(ValueError, match="unknown file type 'Q3_K'"):
+        quantize.with_llama_cpp(models["shipped"], tmp_path / "x.gguf", "Q3_K")
     quantize.quantize_file(models["tied-8"], tmp_path / "q8.gguf", "Q8_0")
     with pytest.raises(ValueError, match="already Q8_0; quantize from an F32, F16 or BF16 file"):
         quantize.quantize_file(tmp_path / "q8.gguf", tmp_path / "q4.gguf", "Q4_K_M")
