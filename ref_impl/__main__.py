@@ -30,8 +30,10 @@ def cmd_generate(a: argparse.Namespace) -> None:
     from .model import load
 
     sampler = Sampler(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed)  # checks before loading
+    # MLX's quantized matmuls pay off on a GPU; on the CPU its float32 BLAS path is faster (see k-quants)
+    quantized = a.weights == "native" or (a.weights == "auto" and mx.default_device() != mx.cpu)
     model, tokenizer = load(a.model, {"float32": mx.float32, "float16": mx.float16,
-                                      "bfloat16": mx.bfloat16, None: None}[a.dtype])
+                                      "bfloat16": mx.bfloat16, None: None}[a.dtype], quantized)
     sys.stdout.write(a.prompt)
     g = generate(model, tokenizer, a.prompt, a.max_tokens, sampler, pipeline=not a.sync,
                  on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()))
@@ -60,6 +62,15 @@ def cmd_inspect(a: argparse.Namespace) -> None:
             print(f"  {r[0]:<{w[0]}}  {r[1]:<{w[1]}}  {r[2]:<{w[2]}}  {r[3]:>{w[3]}}  {r[4]:>{w[4]}}")
         total = sum(t.nbytes for t in f.tensors.values())
         print(f"\n  {len(f.tensors)} tensors, {total / 1e6:.2f} MB of tensor data")
+        if a.mlx:
+            from .transcode import plan
+
+            print("\n  in MLX (python -m ref_impl generate --weights native):")
+            rows = [(p.name, p.ggml_type, p.representation, f"{p.bits_per_weight():.2f}" if p.bits else "-", p.reason)
+                    for p in plan(f).values()]
+            w = [max(len(r[i]) for r in rows) for i in range(4)]
+            for r in rows:
+                print(f"  {r[0]:<{w[0]}}  {r[1]:<{w[1]}}  {r[2]:<{w[2]}}  {r[3]:>{w[3]}} bits  {r[4]}")
 
 
 def cmd_quantize(a: argparse.Namespace) -> None:
@@ -125,10 +136,14 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="default: float32 on CPU, float16 on GPU")
     g.add_argument("--sync", action="store_true", help="wait for each token (no async_eval pipelining)")
+    g.add_argument("--weights", choices=["auto", "native", "float"], default="auto",
+                   help="quantized tensors as MLX quantized matrices (native) or expanded to floats; "
+                        "auto: native on a GPU, float on the CPU")
     g.set_defaults(run=cmd_generate)
 
     i = sub.add_parser("inspect", help="print a GGUF file's metadata and tensor table")
     i.add_argument("path")
+    i.add_argument("--mlx", action="store_true", help="also show how each tensor is held in MLX")
     i.set_defaults(run=cmd_inspect)
 
     q = sub.add_parser("quantize", help="quantize a float GGUF model as llama.cpp's llama-quantize does")

@@ -1,4 +1,4 @@
-"""The CLI on good and bad input: `python -m ref_impl generate|inspect|train|bench`, run as a subprocess.
+"""The CLI on good and bad input: `python -m ref_impl generate|inspect|quantize|train|bench`, as a subprocess.
 
 Good input: each subcommand does its job and prints what it promises. Bad input (a missing,
 malformed, truncated or non-llama file, an impossible setting): a non-zero exit and exactly one
@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 
 from ref_impl import gguf
+from ref_impl.quantize import quantize_file
+from tests.conftest import write_random_llama
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "models/stdlib-10m.gguf"   # relative to ROOT, the CLI's working directory
@@ -47,7 +49,9 @@ def bad_files(tmp) -> dict[str, Path]:
     truncated.write_bytes((ROOT / MODEL).read_bytes()[:1000])
     gpt2 = tmp / "gpt2.gguf"
     gguf.write(gpt2, {"general.architecture": "gpt2"}, {"wte.weight": np.zeros((8, 4), np.float32)})
-    return {"text": text, "truncated": truncated, "gpt2": gpt2}
+    quantized = tmp / "q8.gguf"
+    quantize_file(write_random_llama(tmp / "random.gguf"), quantized, "Q8_0")
+    return {"text": text, "truncated": truncated, "gpt2": gpt2, "quantized": quantized}
 
 
 # ---- good input -------------------------------------------------------------------------------
@@ -139,6 +143,38 @@ def test_bench_writes_results(tmp):
     assert {"tokens_per_s", "ttft_ms"} <= {rec["metric"] for rec in doc["records"]}
 
 
+def test_quantize_writes_llama_cpp_types_and_reports_size(tmp):
+    out = tmp / "q4km.gguf"
+    r = cli("quantize", MODEL, out, "--type", "Q4_K_M")
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"tensor data [\d.]+ MB -> [\d.]+ MB", r.stdout), r.stdout
+    bpw = float(re.search(r"([\d.]+) bits per weight", r.stdout).group(1))
+    with gguf.read(out) as f:
+        types = {t.type.name for t in f.tensors.values()}
+        n = sum(int(np.prod(t.shape)) for t in f.tensors.values())
+        assert bpw == pytest.approx(8 * sum(t.nbytes for t in f.tensors.values()) / n, abs=0.01)
+    assert types == {"F32", "Q8_0", "Q5_0", "Q4_K", "Q6_K"}     # the shipped shapes' Q4_K_M mixture
+    r = cli("inspect", "--mlx", out)
+    assert r.returncode == 0 and "affine 4-bit g32" in r.stdout and "re-quantized" in r.stdout, r.stderr
+    r = generate("--max-tokens", "8", "--weights", "native")
+    assert r.returncode == 0 and r.stdout.startswith("def "), r.stderr
+
+
+def test_bench_quant_writes_size_perplexity_and_speed(tmp):
+    out = tmp / "bench-quant"
+    r = cli("bench", "--quant", "Q8_0", "Q4_0", "--ppl-tokens", "512", "--gen-tokens", "4", "--prompt-len", "4",
+            "--repeats", "1", "--no-peers", "--out", out, "--model", MODEL, timeout=300)
+    assert r.returncode == 0, r.stderr
+    (path,) = out.glob("*.json")
+    recs = json.loads(path.read_text())["records"]
+    got = {(x["weights"], x["metric"], x.get("variant")) for x in recs}
+    for ft in ("Q8_0", "Q4_0"):
+        assert {(ft, "bits_per_weight", None), (ft, "heldout_perplexity", None), (ft, "tokens_per_s", "native"),
+                (ft, "tokens_per_s", "dequantized")} <= got
+    ppl = {x["weights"]: x["value"] for x in recs if x["metric"] == "heldout_perplexity"}
+    assert 1 < ppl["Q8_0"] < ppl["Q4_0"] < 50        # more bits, lower perplexity, both sane
+
+
 # ---- bad input: one "error:" line naming the problem, non-zero exit, no traceback -------------
 
 BAD = [  # (id, arguments, a word the message must contain); "{text}" etc. name files in bad_files
@@ -168,6 +204,10 @@ BAD = [  # (id, arguments, a word the message must contain); "{text}" etc. name 
                             "--out", "{tmp}"], "no .py files"),
     ("train-zero-steps", ["train", "--preset", "micro", "--steps", "0", "--out", "{tmp}"], "steps must be at least 1"),
     ("train-out-is-a-file", ["train", "--preset", "micro", "--out", "{text}"], "exists"),
+    ("quantize-missing", ["quantize", "nope.gguf", "{tmp}/x.gguf"], "no such file"),
+    ("quantize-truncated", ["quantize", "{truncated}", "{tmp}/x.gguf"], "truncated"),
+    ("quantize-twice", ["quantize", "{quantized}", "{tmp}/x.gguf", "--type", "Q4_0"], "already Q8_0"),
+    ("bench-unknown-shape", ["bench", "--shape", "GPT-5"], "no Llama-architecture shape"),
 ]
 
 
