@@ -52,3 +52,37 @@ def test_forward_sweep_times_each_length_and_respects_its_budget(random_llama):
     assert lengths == [1, 2, 4, 8] and all(s > 0 for s in seconds)
     # a budget of zero still times the first length, then stops
     assert forward_sweep(model, [1, 2, 4, 8], repeats=1, budget_s=0.0)[0] == [1]
+
+
+def test_bench_shape_reports_bytes_speed_and_bandwidth_share(tmp_path):
+    """A tiny untied shape: bits per weight of each type, the bytes a step reads (every matrix and its
+    scales, not the embedding table, plus the KV cache), and the share of bandwidth that implies."""
+    from ref_impl.bench import bench_shape
+    from ref_impl.model import ModelArgs
+
+    args = ModelArgs(256, 256, 2, 512, 4, 2, max_position_embeddings=64, tie_word_embeddings=False)
+    recs = bench_shape("tiny", args, ["F16", "Q4_K"], tmp_path, prompt_len=4, gen_tokens=4, repeats=1)
+    got = {(r["weights"], r["metric"]): r["value"] for r in recs}
+    assert {r["variant"] for r in recs if r["metric"] == "bandwidth"} == {"copy", "read"}
+    assert got["Q4_K", "bits_per_weight"] == pytest.approx(4.5, abs=0.05)   # 144 B / 256 values, + F32 norms
+    assert got["F16", "bits_per_weight"] == pytest.approx(16, abs=0.05)
+    # by hand: 2 layers of q, k, v, o, gate, up, down + the output matrix; MLX Q4_K is 4 bits + 2 x 32-bit
+    # scale/bias per 32 on the CPU (float32 model): 6 bits per weight; KV: 2 x 2 layers x 2 heads x 64 x 8 x 4 B
+    matrices = 2 * (256 * 256 * 2 + 128 * 256 * 2 + 3 * 256 * 512) + 256 * 256
+    norms = (2 * 2 + 1) * 256 * 4
+    kv = 2 * 2 * 2 * 64 * (4 + 4 // 2) * 4
+    assert got["Q4_K", "bytes_per_token"] == matrices * 6 / 8 + norms + kv
+    bw = max(r["value"] for r in recs if r["metric"] == "bandwidth")
+    assert got["Q4_K", "bandwidth_fraction"] == pytest.approx(
+        got["Q4_K", "bytes_per_token"] * got["Q4_K", "tokens_per_s"] / 1e9 / bw)
+    assert not list(tmp_path.glob("*.gguf"))          # the multi-GB files of real shapes are not kept
+
+
+def test_args_for_public_shapes():
+    from ref_impl.bench import args_for
+
+    a = args_for("Llama-3.1-8B")
+    assert (a.hidden_size, a.num_hidden_layers, a.intermediate_size, a.num_key_value_heads) == (4096, 32, 14336, 8)
+    assert not a.tie_word_embeddings and a.num_parameters == 8_030_261_248
+    with pytest.raises(ValueError, match="no Llama-architecture shape 'Qwen3-8B'"):
+        args_for("Qwen3-8B")                       # q/k norms: not our decoder's architecture
