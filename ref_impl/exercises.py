@@ -19,7 +19,11 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
+from . import kquants as kq
 from . import roofline as rl
+from .gguf import BLOCK, GGMLType
 
 RTOL = 0.01  # an answer within 1% of the engine's value is right
 
@@ -46,21 +50,24 @@ class Result:
 Mistake = tuple[float, str]  # (the value this mistake gives, the hint that names it)
 
 
-def _close(a: float, b: float) -> bool:
-    return math.isclose(a, b, rel_tol=RTOL)
+def _close(a: float, b: float, rtol: float = RTOL) -> bool:
+    return math.isclose(a, b, rel_tol=rtol)
 
 
-def _judge(answer, right: float, unit: str, mistakes: list[Mistake], recipe: str) -> tuple[bool, str]:
+def _judge(answer, right: float, unit: str, mistakes: list[Mistake], recipe: str,
+           rtol: float = RTOL) -> tuple[bool, str]:
     """(ok, message) for one number against the right value and the values of known mistakes."""
+    if isinstance(answer, (np.integer, np.floating)):
+        answer = float(answer)
     if isinstance(answer, bool) or not isinstance(answer, (int, float)) or not math.isfinite(answer):
         return False, f"expected a finite number in {unit}, got {answer!r}."
-    if _close(answer, right):
+    if _close(answer, right, rtol):
         return True, f"{answer:,.4g} {unit} (engine: {right:,.4g} {unit})."
     if answer <= 0:
         return False, f"{answer:,.4g} {unit}: the answer is a positive number of {unit}."
     # the nearest known mistake within tolerance names the slip (two slips can land close together)
     near = [(abs(answer - value) / value, hint) for value, hint in mistakes
-            if _close(answer, value) and not _close(value, right)]
+            if _close(answer, value, rtol) and not _close(value, right, rtol)]
     if near:
         return False, f"{answer:,.4g} {unit}, not {right:,.4g}. Hint: {min(near)[1]}"
     return False, (f"{answer:,.4g} {unit} is {answer / right:.3g}× the engine's {right:,.4g} {unit}. "
@@ -68,11 +75,11 @@ def _judge(answer, right: float, unit: str, mistakes: list[Mistake], recipe: str
 
 
 def _check(task: str, answer, cases: list[tuple[tuple, str, float, list[Mistake]]], unit: str,
-           recipe: str) -> Result:
+           recipe: str, rtol: float = RTOL) -> Result:
     """A number is judged on the first case; a function is called on every case's arguments."""
     if not callable(answer):
         _, label, right, mistakes = cases[0]
-        ok, msg = _judge(answer, right, unit, mistakes, recipe)
+        ok, msg = _judge(answer, right, unit, mistakes, recipe, rtol)
         return Result(ok, f"{task} ({label}): {msg}")
     for args, label, right, mistakes in cases:
         try:
@@ -81,10 +88,10 @@ def _check(task: str, answer, cases: list[tuple[tuple, str, float, list[Mistake]
             return Result(False, f"{task}: not written yet. Replace the `raise NotImplementedError` line.")
         except Exception as exc:  # the learner's code: report it, don't crash the check cell
             return Result(False, f"{task} ({label}): your function raised {type(exc).__name__}: {exc}")
-        ok, msg = _judge(value, right, unit, mistakes, recipe)
+        ok, msg = _judge(value, right, unit, mistakes, recipe, rtol)
         if not ok:
             return Result(False, f"{task} ({label}): {msg}")
-    return Result(True, f"{task}: right on all {len(cases)} cases, within {RTOL:.0%}.")
+    return Result(True, f"{task}: right on all {len(cases)} cases, within {100 * rtol:g}%.")
 
 
 def _units(right: float, unit: str) -> list[Mistake]:
@@ -228,7 +235,6 @@ def check_decode_tokens_per_s(answer: float | Callable, hardware: str = "Apple M
 # Chapter "GGUF: file layout and alignment" (book/kquants/gguf-layout) --------------------------
 # Its tasks are named "GGUF task 1", "GGUF task 2"; tests: `pytest tests/test_exercises.py -k gguf_task`.
 
-import numpy as np  # noqa: E402  (this chapter's section of a shared file: appended, not merged above)
 
 def _pad_to(n: int, alignment: int) -> int:
     return n + (-n % alignment)
@@ -339,8 +345,6 @@ def check_zero_copy_view(answer) -> Result:
 # Chapter "Super-blocks: K-quants" (book/kquants/super-blocks) ---------------------------------
 # Its tasks are named "K-quants task 1..3"; tests: `pytest tests/test_exercises.py -k k_quants_task`.
 
-from . import kquants as kq  # noqa: E402
-from .gguf import BLOCK, GGMLType  # noqa: E402
 
 _NOT_WRITTEN = "not written yet. Replace the `raise NotImplementedError` line."
 
@@ -401,46 +405,15 @@ def _bpw_case(name: str):
     return (name,), f"{name}: {values} values in {nbytes} bytes", right, mistakes
 
 
-def _judge_bpw(value, right: float, mistakes: list[Mistake], recipe: str) -> tuple[bool, str]:
-    if isinstance(value, (np.integer, np.floating)):
-        value = float(value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return False, f"expected a finite number of bits per weight, got {value!r}."
-
-    def close(a, b):
-        return math.isclose(a, b, rel_tol=BPW_RTOL)
-    if close(value, right):
-        return True, f"{value:.6g} bits/weight (engine: {right:.6g})."
-    near = [(abs(value - v) / v, h) for v, h in mistakes if close(value, v) and not close(v, right)]
-    hint = min(near)[1] if near else recipe
-    return False, f"{value:.6g} bits/weight, not {right:.6g}. Hint: {hint}"
-
-
 def check_bits_per_weight(answer, type_name: str = "Q4_K") -> Result:
     """K-quants task 1: bits per weight of GGML type `type_name`, from its block struct.
 
     `answer` is a number for `type_name`, or a function `f(type_name) -> bits per weight` called
     on Q4_0, Q8_0, Q4_K, Q5_K and Q6_K. Right: block bytes × 8 / values (gguf.BLOCK), within 0.1%.
     """
-    task = "K-quants task 1"
     names = [type_name] + [n for n in _STRUCTS if n != type_name]
-    cases = [_bpw_case(n) for n in names]
     recipe = "bits per weight = (bytes of every field of the block struct) × 8 / values per block."
-    if not callable(answer):
-        _, label, right, mistakes = cases[0]
-        ok, msg = _judge_bpw(answer, right, mistakes, recipe)
-        return Result(ok, f"{task} ({label}): {msg}")
-    for args, label, right, mistakes in cases:
-        try:
-            value = answer(*args)
-        except NotImplementedError:
-            return Result(False, f"{task}: {_NOT_WRITTEN}")
-        except Exception as exc:  # the learner's code: report it, don't crash the check cell
-            return Result(False, f"{task} ({label}): your function raised {type(exc).__name__}: {exc}")
-        ok, msg = _judge_bpw(value, right, mistakes, recipe)
-        if not ok:
-            return Result(False, f"{task} ({label}): {msg}")
-    return Result(True, f"{task}: right on all {len(cases)} types.")
+    return _check("K-quants task 1", answer, [_bpw_case(n) for n in names], "bits/weight", recipe, BPW_RTOL)
 
 
 # K-quants task 2 ------------------------------------------------------------------------------

@@ -329,7 +329,7 @@ def test_k_quants_task_1_accepts_the_right_number_and_function():
     assert ex.check_bits_per_weight(6.5625, type_name="Q6_K")
     assert ex.check_bits_per_weight(6.56, type_name="Q6_K")  # rounded to 3 figures
     r = ex.check_bits_per_weight(bits_per_weight)
-    assert r and "5 types" in r.message
+    assert r and "5 cases" in r.message
 
 
 @pytest.mark.parametrize("wrong, type_name, hint", [
