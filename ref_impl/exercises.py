@@ -50,6 +50,16 @@ class Result:
 Mistake = tuple[float, str]  # (the value this mistake gives, the hint that names it)
 
 
+def _run(task: str, label: str, fn: Callable, *args):
+    """Call the learner's function: (its value, None), or (None, a ✗ Result saying what went wrong)."""
+    try:
+        return fn(*args), None
+    except NotImplementedError:
+        return None, Result(False, f"{task}: not written yet. Replace the `raise NotImplementedError` line.")
+    except Exception as exc:  # the learner's code: report it, don't crash the check cell
+        return None, Result(False, f"{task} ({label}): your function raised {type(exc).__name__}: {exc}")
+
+
 def _close(a: float, b: float, rtol: float = RTOL) -> bool:
     return math.isclose(a, b, rel_tol=rtol)
 
@@ -82,12 +92,9 @@ def _check(task: str, answer, cases: list[tuple[tuple, str, float, list[Mistake]
         ok, msg = _judge(answer, right, unit, mistakes, recipe, rtol)
         return Result(ok, f"{task} ({label}): {msg}")
     for args, label, right, mistakes in cases:
-        try:
-            value = answer(*args)
-        except NotImplementedError:
-            return Result(False, f"{task}: not written yet. Replace the `raise NotImplementedError` line.")
-        except Exception as exc:  # the learner's code: report it, don't crash the check cell
-            return Result(False, f"{task} ({label}): your function raised {type(exc).__name__}: {exc}")
+        value, failed = _run(task, label, answer, *args)
+        if failed:
+            return failed
         ok, msg = _judge(value, right, unit, mistakes, recipe, rtol)
         if not ok:
             return Result(False, f"{task} ({label}): {msg}")
@@ -260,12 +267,9 @@ def _exact(task: str, answer, cases: list[tuple[tuple, str, object, list[tuple[o
         bad = judge(answer, label, right, mistakes)
         return bad if bad is not None else Result(True, f"{task} ({label}): {answer!r}, right.")
     for args, label, right, mistakes in cases:
-        try:
-            value = answer(*args)
-        except NotImplementedError:
-            return Result(False, f"{task}: not written yet. Replace the `raise NotImplementedError` line.")
-        except Exception as exc:  # the learner's code: report it, don't crash the check cell
-            return Result(False, f"{task} ({label}): your function raised {type(exc).__name__}: {exc}")
+        value, failed = _run(task, label, answer, *args)
+        if failed:
+            return failed
         bad = judge(value, label, right, mistakes)
         if bad is not None:
             return bad
@@ -345,8 +349,6 @@ def check_zero_copy_view(answer) -> Result:
 # Chapter "Super-blocks: K-quants" (book/kquants/super-blocks) ---------------------------------
 # Its tasks are named "K-quants task 1..3"; tests: `pytest tests/test_exercises.py -k k_quants_task`.
 
-
-_NOT_WRITTEN = "not written yet. Replace the `raise NotImplementedError` line."
 
 # K-quants task 1 ------------------------------------------------------------------------------
 
@@ -490,12 +492,9 @@ def check_unpack_scales(fn) -> Result:
                              "it is called on several blocks.")
     cases, got = _unpack_cases(), []
     for b, label in cases:
-        try:
-            out = fn(b.copy())
-        except NotImplementedError:
-            return Result(False, f"{task}: {_NOT_WRITTEN}")
-        except Exception as exc:  # the learner's code: report it, don't crash the check cell
-            return Result(False, f"{task} ({label}): your function raised {type(exc).__name__}: {exc}")
+        out, failed = _run(task, label, fn, b.copy())
+        if failed:
+            return failed
         pair, why = _int8_pair(out)
         if pair is None:
             return Result(False, f"{task} ({label}): {why}")
@@ -579,12 +578,9 @@ def check_decode_q4_k(fn) -> Result:
         return Result(False, f"{task}: write a function f(block) -> 256 values; it is called on several blocks.")
     cases, got = _decode_cases(), []
     for b, label in cases:
-        try:
-            out = fn(b.copy())
-        except NotImplementedError:
-            return Result(False, f"{task}: {_NOT_WRITTEN}")
-        except Exception as exc:  # the learner's code: report it, don't crash the check cell
-            return Result(False, f"{task} ({label}): your function raised {type(exc).__name__}: {exc}")
+        out, failed = _run(task, label, fn, b.copy())
+        if failed:
+            return failed
         try:
             a = np.asarray(out, dtype=np.float64)
         except (TypeError, ValueError):
