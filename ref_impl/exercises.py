@@ -93,7 +93,7 @@ def _check(task: str, answer, cases: list[tuple[tuple, str, float, list[Mistake]
         return Result(ok, f"{task} ({label}): {msg}")
     for args, label, right, mistakes in cases:
         value, failed = _run(task, label, answer, *args)
-        if failed:
+        if failed is not None:
             return failed
         ok, msg = _judge(value, right, unit, mistakes, recipe, rtol)
         if not ok:
@@ -268,7 +268,7 @@ def _exact(task: str, answer, cases: list[tuple[tuple, str, object, list[tuple[o
         return bad if bad is not None else Result(True, f"{task} ({label}): {answer!r}, right.")
     for args, label, right, mistakes in cases:
         value, failed = _run(task, label, answer, *args)
-        if failed:
+        if failed is not None:
             return failed
         bad = judge(value, label, right, mistakes)
         if bad is not None:
@@ -493,7 +493,7 @@ def check_unpack_scales(fn) -> Result:
     cases, got = _unpack_cases(), []
     for b, label in cases:
         out, failed = _run(task, label, fn, b.copy())
-        if failed:
+        if failed is not None:
             return failed
         pair, why = _int8_pair(out)
         if pair is None:
@@ -579,7 +579,7 @@ def check_decode_q4_k(fn) -> Result:
     cases, got = _decode_cases(), []
     for b, label in cases:
         out, failed = _run(task, label, fn, b.copy())
-        if failed:
+        if failed is not None:
             return failed
         try:
             a = np.asarray(out, dtype=np.float64)
