@@ -158,6 +158,18 @@ def llama_cpp_peer(path: Path, prompt: list[int], n: int, repeats: int) -> list:
     return _repeat(stream, n, repeats)
 
 
+def llama_cpp_logits(path: Path, ids: Sequence[int]) -> np.ndarray:
+    """llama.cpp's logits (len(ids), vocab) for one batch of tokens from an empty context: CPU, one
+    thread (its spinning workers slow ~10x when the other core is busy), float32 KV cache."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(ids), n_batch=len(ids), logits_all=True,
+                          type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32,
+                          n_gpu_layers=0, n_threads=1, n_threads_batch=1, verbose=False)
+    llm.eval(list(ids))
+    return np.array(llm.scores[:len(ids)])
+
+
 def forward_sweep(model: Model, lengths: Sequence[int], repeats: int = 3, budget_s: float = math.inf,
                   seed: int = 0) -> tuple[list[int], list[float]]:
     """Median seconds of one uncached forward over L random tokens, for each L in turn (a warm-up
