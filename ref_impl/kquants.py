@@ -429,33 +429,33 @@ def dequantize_q5_0(blocks: np.ndarray) -> np.ndarray:
         return _rows(q * _f16(b[:, :2]), blocks, 22, 32)
 
 
+def _affine_k(b: np.ndarray, q: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+    """x = d * sc[j] * q - dmin * m[j] per 32-value sub-block j (Q4_K, Q5_K): b (n, block bytes) starts
+    with fp16 d, fp16 dmin and the 12 packed scale bytes; q (n, 8, 32) holds the codes."""
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])                # (n, 1) each
+    sc, mn = unpack_scales_q4_k(b[:, 4:16])                   # (n, 8) each
+    with np.errstate(invalid="ignore"):                       # an inf d times a zero code is nan, as in C
+        scale = (d * sc.astype(np.float32))[:, :, None]
+        offset = (dmin * mn.astype(np.float32))[:, :, None]
+        return _rows((scale * q - offset).reshape(-1, 256), blocks, b.shape[1], 256)
+
+
 def dequantize_q4_k(blocks: np.ndarray) -> np.ndarray:
     """Expand uint8 Q4_K super-blocks (..., row_bytes), 144 bytes per 256 values, to float32 (..., n)."""
     b = _blocks(blocks, "Q4_K", 144)
-    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])                # (n, 1) each
-    sc, mn = unpack_scales_q4_k(b[:, 4:16])                   # (n, 8) each
     qs = b[:, 16:].reshape(-1, 4, 32)                         # 4 chunks of 32 bytes
     # each chunk holds two sub-blocks: its low nibbles, then its high nibbles
     q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32).astype(np.float32)
-    scale = (d * sc.astype(np.float32))[:, :, None]
-    offset = (dmin * mn.astype(np.float32))[:, :, None]
-    with np.errstate(invalid="ignore"):
-        return _rows((scale * q - offset).reshape(-1, 256), blocks, 144, 256)
+    return _affine_k(b, q, blocks)
 
 
 def dequantize_q5_k(blocks: np.ndarray) -> np.ndarray:
     """Expand uint8 Q5_K super-blocks (..., row_bytes), 176 bytes per 256 values, to float32 (..., n)."""
     b = _blocks(blocks, "Q5_K", 176)
-    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])                # (n, 1) each
-    sc, mn = unpack_scales_q4_k(b[:, 4:16])                   # (n, 8) each
     qh, qs = b[:, 16:48], b[:, 48:].reshape(-1, 4, 32)
     low = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)   # as Q4_K
     high = np.stack([(qh >> j) & 1 for j in range(8)], axis=1)        # sub-block j: bit j of qh
-    q = (low | (high << 4)).astype(np.float32)
-    scale = (d * sc.astype(np.float32))[:, :, None]
-    offset = (dmin * mn.astype(np.float32))[:, :, None]
-    with np.errstate(invalid="ignore"):
-        return _rows((scale * q - offset).reshape(-1, 256), blocks, 176, 256)
+    return _affine_k(b, (low | (high << 4)).astype(np.float32), blocks)
 
 
 def dequantize_q6_k(blocks: np.ndarray) -> np.ndarray:
