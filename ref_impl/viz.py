@@ -164,9 +164,9 @@ def with_dropdown(fig: go.Figure, options: Mapping[str, Sequence[int]]) -> go.Fi
                for name, mask in zip(options, masks)]
     fig.update_layout(updatemenus=[dict(buttons=buttons, direction="down", showactive=True,
                                         x=1.0, xanchor="right", y=1.02, yanchor="bottom")],
-                      # the title keeps the top of the figure, the menu sits below it: a two-line
-                      # title and the menu never overlap
-                      margin_t=130, title_y=0.98, title_yanchor="top")
+                      # the title sits on a line 55 px above the plot, the menu in between: a two-line
+                      # title grows upwards into the 130 px margin and never meets the menu or the top
+                      margin_t=130, title_y=1, title_yref="paper", title_yanchor="bottom", title_pad_b=55)
     return fig
 
 
