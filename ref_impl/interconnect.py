@@ -1,0 +1,366 @@
+"""Interconnect: what a PCIe link, tunnelled through Thunderbolt 5, carries, and what that costs a decoder.
+
+Four pieces, each a few functions. (1) PCIe link arithmetic: lanes x GT/s, line coding, and the bytes
+every transaction-layer packet (TLP) adds to its payload, each named. (2) Thunderbolt 5 / USB4 v2:
+80 Gb/s per direction (120 with Bandwidth Boost), a PCIe tunnel whose ends are PCIe Gen4 x4, and the
+"efficiency stack" from the wire to payload bytes. (3) A transfer-time model: a handshake per
+transfer, a credit window, retimer jitter and bit-error replays, run as a seeded Monte Carlo.
+(4) Weight streaming: tokens/s when part of the weights must cross the link for every token. And two
+measurements: host memory copies (numpy) and, where PyTorch sees a CUDA GPU, host<->device copies.
+
+Units: GB is 1e9 bytes, Gb is 1e9 bits; GT/s is transfers (bits per lane) per second.
+
+References: PCI Express Base Specification 3.0, sec. 4.2.2 (128b/130b, framing tokens), 3.5 (DLLPs);
+Intel AN 456 "PCI Express High Performance Reference Design", "Throughput for Posted Writes" (256-byte
+payload, 3-DW header: 5 DW of overhead, 92%): https://www.intel.com/content/www/us/en/docs/programmable/
+683541/current/throughput-for-posted-writes.html; Intel AN 708 "Understanding PCI Express Throughput"
+(5-7 DW per TLP, 2-DW DLLPs, SKP ordered sets); USB4 Specification v2.0 (USB-IF, 2022), transport
+layer; Intel, "Intel Introduces Thunderbolt 5 Connectivity Standard" (newsroom, 2023-09-12).
+
+See chapter: interconnect
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+GT_PER_LANE = {1: 2.5, 2: 5.0, 3: 8.0, 4: 16.0, 5: 32.0}   # GT/s, PCIe Base Specification per generation
+DLLP_BYTES = 8          # a DLLP is 6 bytes, plus a 2-byte SDP token (Gen3+) or SDP + END symbols (Gen1/2)
+DLLPS_PER_TLP = 0.5     # stated: one ACK or UpdateFC DLLP per two TLPs; 0 (all on the other lane) .. 2 (both per TLP)
+SKP_BLOCKS = 370        # Gen3+: one SKP ordered-set block per ~370 data blocks (clock compensation)
+
+TB5_GBPS = 80.0         # per direction, two lanes of 40 Gb/s (USB4 v2 Gen 4, PAM3)
+TB5_BOOST_GBPS = 120.0  # Bandwidth Boost: three lanes one way, one lane (40 Gb/s) back
+TB5_PCIE = (4, 4)       # the PCIe tunnel's ends are PCIe Gen4 x4 adapters
+USB4_HEADER = 4         # bytes: a USB4 transport-layer packet's header (HopID, length, HEC ...)
+USB4_MAX_PAYLOAD = 256  # bytes of payload per transport-layer packet
+
+# A measured TB5 eGPU link, and the same GPU and host over OCuLink (a native PCIe Gen4 x4 cable): GB/s.
+MEASURED = {"TB5 host-to-device": 5.6, "TB5 device-to-host": 5.8,
+            "OCuLink host-to-device": 6.6, "OCuLink device-to-host": 6.7}
+MEASURED_SOURCE = ("Try Some Tech (RTX 5070 Ti, Core Ultra 7 265K, ASUS ProArt Z890), reported by Tom's Hardware, "
+                   "'OCuLink outpaces Thunderbolt 5 in Nvidia RTX 5070 Ti tests' (2025-10): https://www.tomshardware."
+                   "com/pc-components/gpus/oculink-outpaces-thunderbolt-5-in-nvidia-rtx-5070-ti-tests-latter-up-to-"
+                   "14-percent-slower-on-average-in-gaming-benchmarks")
+
+
+# ---- (1) PCIe link arithmetic ----------------------------------------------------------------------
+
+def coding_efficiency(gen: int) -> float:
+    """Payload bits per line bit of the physical layer: 8b/10b for Gen1/2, 128b/130b for Gen3-5."""
+    return 8 / 10 if gen <= 2 else 128 / 130
+
+
+def raw_gbs(gen: int, lanes: int) -> float:
+    """GB/s per direction on the wire: GT/s x lanes / 8 bits."""
+    return GT_PER_LANE[gen] * lanes / 8
+
+
+def coded_gbs(gen: int, lanes: int) -> float:
+    """GB/s per direction after line coding (e.g. Gen4 x4: 16 x 4 x 128/130 / 8 = 7.877)."""
+    return raw_gbs(gen, lanes) * coding_efficiency(gen)
+
+
+def tlp_overheads(gen: int = 4, header_dw: int = 3, ecrc: bool = False) -> dict[str, int]:
+    """Bytes each TLP adds to its payload, by name. 3-DW headers: completions and 32-bit-address
+    writes; 4-DW: 64-bit addresses. Gen3+ drop the END symbol: the 4-byte STP token carries the
+    length and the 12-bit sequence number. Both framings total 20 bytes with a 3-DW header."""
+    out = {"TLP header": 4 * header_dw, "ECRC (optional)": 4 if ecrc else 0}
+    if gen >= 3:
+        out["STP token (framing + sequence number)"] = 4
+    else:
+        out["STP + END framing symbols"], out["sequence number"] = 2, 2
+    out["LCRC"] = 4
+    return out
+
+
+def tlp_efficiency(payload: int, gen: int = 4, header_dw: int = 3, ecrc: bool = False,
+                   dllps_per_tlp: float = 0.0) -> float:
+    """Payload / (payload + TLP overheads + DLLP bytes per TLP): the share of coded link bytes that
+    is data. 256 B, 3-DW, no DLLPs: 256 / 276 = 92.8%."""
+    over = sum(tlp_overheads(gen, header_dw, ecrc).values()) + dllps_per_tlp * DLLP_BYTES
+    return payload / (payload + over)
+
+
+def payload_gbs(gen: int, lanes: int, payload: int, header_dw: int = 3, ecrc: bool = False,
+                dllps_per_tlp: float = DLLPS_PER_TLP, skp: bool = True) -> float:
+    """The protocol ceiling: coded GB/s x SKP share x TLP/DLLP efficiency. No DMA engine, no host."""
+    skp_share = SKP_BLOCKS / (SKP_BLOCKS + 1) if skp and gen >= 3 else 1.0
+    return coded_gbs(gen, lanes) * skp_share * tlp_efficiency(payload, gen, header_dw, ecrc, dllps_per_tlp)
+
+
+# ---- (2) Thunderbolt 5: the tunnel and the efficiency stack -------------------------------------------
+
+def usb4_packets(tlp_bytes: int) -> tuple[int, int]:
+    """(transport-layer packets, their header bytes) to carry one TLP: payloads of at most 256 bytes,
+    padded to 4-byte multiples, each behind a 4-byte header."""
+    n = math.ceil(tlp_bytes / USB4_MAX_PAYLOAD)
+    return n, n * USB4_HEADER + (-tlp_bytes % 4)
+
+
+def tunnel_overhead(payload: int, header_dw: int = 3) -> dict[str, float]:
+    """USB4 encapsulation of one TLP carrying `payload` bytes, bounded two ways: the adapter keeps the
+    whole TLP with its framing and LCRC (upper bound), or only header + payload (lower bound)."""
+    full = payload + sum(tlp_overheads(4, header_dw).values())
+    bare = payload + 4 * header_dw
+    out = {}
+    for name, tlp in (("upper", full), ("lower", bare)):
+        n, extra = usb4_packets(tlp)
+        out[f"{name}: packets per TLP"] = n
+        out[f"{name}: header bytes per TLP"] = extra
+        out[f"{name}: share of tunnelled bytes"] = extra / (tlp + extra)
+    out["wire bytes per payload byte (upper)"] = (full + usb4_packets(full)[1]) / payload
+    return out
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of the efficiency stack: what is left (GB/s) and what this step took away."""
+    name: str
+    gbs: float
+    why: str
+
+
+def efficiency_stack(payload: int = 256, header_dw: int = 3, ecrc: bool = False,
+                     dllps_per_tlp: float = DLLPS_PER_TLP, dma_efficiency: float = 1.0,
+                     boost: bool = False) -> list[Stage]:
+    """From TB5's wire rate to payload bytes, one direction: wire -> PCIe Gen4 x4 tunnel cap -> 128b/130b
+    -> SKP ordered sets -> TLP framing/header/LCRC at this payload size -> DLLPs -> DMA engine and
+    driver (`dma_efficiency`, a stated or measured factor; 1.0 takes nothing). The USB4 headers come
+    out of the wire's headroom above the tunnel cap, not out of the payload (see `tunnel_overhead`)."""
+    gen, lanes = TB5_PCIE
+    wire = (TB5_BOOST_GBPS if boost else TB5_GBPS) / 8
+    skp = SKP_BLOCKS / (SKP_BLOCKS + 1)
+    tlp = tlp_efficiency(payload, gen, header_dw, ecrc)
+    with_dllp = tlp_efficiency(payload, gen, header_dw, ecrc, dllps_per_tlp)
+    coded = coded_gbs(gen, lanes)
+    over = sum(tlp_overheads(gen, header_dw, ecrc).values())
+    return [
+        Stage("TB5 wire" + (" (Boost)" if boost else ""), wire, f"{wire * 8:.0f} Gb/s one way"),
+        Stage("PCIe tunnel cap (Gen4 x4)", raw_gbs(gen, lanes), "the adapters at both ends are PCIe Gen4 x4"),
+        Stage("128b/130b coding", coded, "2 sync bits per 128"),
+        Stage("SKP ordered sets", coded * skp, f"1 block in {SKP_BLOCKS + 1}"),
+        Stage(f"TLP overhead ({payload} B payload)", coded * skp * tlp, f"{over} B per TLP"),
+        Stage("DLLPs (ACK, flow control)", coded * skp * with_dllp, f"{dllps_per_tlp:g} x {DLLP_BYTES} B per TLP"),
+        Stage("DMA engine, driver", coded * skp * with_dllp * dma_efficiency, f"x {dma_efficiency:.3g}"),
+    ]
+
+
+# ---- (3) transfer time: handshakes, credits, jitter ----------------------------------------------------
+
+@dataclass(frozen=True)
+class Link:
+    """What one DMA transfer over a link costs. Defaults are stated assumptions for a TB5 eGPU link:
+    the payload rate is the measured TB5 figure (MEASURED), the rest orders of magnitude (see chapter)."""
+    payload_gbs: float = MEASURED["TB5 host-to-device"]
+    handshake_us: float = 10.0      # median doorbell + descriptor fetch + completion seen by the host
+    handshake_sigma: float = 0.5    # lognormal shape of the handshake (OS, interrupts, IOMMU): 0 = fixed
+    credit_bytes: int = 16384       # receive buffer advertised as flow-control credits
+    rtt_us: float = 2.0             # credit return round trip (two controllers, retimers, cable)
+    retimer_jitter_ps: float = 2.0  # random jitter per retimer, rms (a normal distribution)
+    retimers: int = 2
+    ber: float = 1e-12              # bit-error ratio; an error costs a replay of one round trip
+    mps: int = 256                  # max payload per TLP
+
+    @property
+    def rate_gbs(self) -> float:
+        """Sustained payload rate: the link's, or the credit window's (credit_bytes per round trip)."""
+        return min(self.payload_gbs, self.credit_bytes / (self.rtt_us * 1e3))
+
+
+def deterministic(link: Link) -> Link:
+    """The same link with every random term switched off."""
+    return replace(link, handshake_sigma=0.0, retimer_jitter_ps=0.0, ber=0.0)
+
+
+def simulate_transfers(sizes: list[int] | np.ndarray, link: Link = Link(), runs: int = 2000,
+                       seed: int = 0) -> np.ndarray:
+    """Seconds to complete `sizes` (bytes) one after another, each with its own handshake, in each of
+    `runs` Monte Carlo runs: sum over transfers of handshake (lognormal, median handshake_us) +
+    bytes / rate + retimer jitter (normal) + replays (binomial per TLP) x rtt."""
+    rng = np.random.default_rng(seed)
+    sizes = np.asarray(sizes, dtype=np.float64)
+    shape = (runs, len(sizes))
+    hs = link.handshake_us * 1e-6 * (rng.lognormal(0.0, link.handshake_sigma, shape) if link.handshake_sigma
+                                     else np.ones(shape))
+    data = sizes / (link.rate_gbs * 1e9)
+    jitter = rng.normal(0.0, link.retimer_jitter_ps * 1e-12 * math.sqrt(link.retimers), shape) \
+        if link.retimer_jitter_ps else 0.0
+    tlps = np.ceil(sizes / link.mps)
+    p_err = -math.expm1(8 * (link.mps + 20) * math.log1p(-link.ber)) if link.ber else 0.0
+    replays = rng.binomial(tlps.astype(np.int64), p_err, shape) * link.rtt_us * 1e-6 if p_err else 0.0
+    return np.sum(hs + data + jitter + replays, axis=1)
+
+
+def per_layer_vs_contiguous(total_bytes: int, layers: int, link: Link = Link(), runs: int = 2000,
+                            seed: int = 0) -> dict[str, np.ndarray]:
+    """Completion times (s) of `total_bytes` sent as `layers` transfers with a handshake each, and as one."""
+    per = [total_bytes // layers] * layers
+    return {f"{layers} per-layer transfers": simulate_transfers(per, link, runs, seed),
+            "one contiguous transfer": simulate_transfers([total_bytes], link, runs, seed + 1)}
+
+
+def percentiles(samples: np.ndarray) -> dict[str, float]:
+    """p50, p99 and max of a sample."""
+    return {"p50": float(np.percentile(samples, 50)), "p99": float(np.percentile(samples, 99)),
+            "max": float(np.max(samples))}
+
+
+def knee_bytes(link: Link) -> float:
+    """The transfer size at which moving the data takes as long as the handshake: handshake x rate."""
+    return link.handshake_us * 1e-6 * link.rate_gbs * 1e9
+
+
+# ---- (4) weight streaming -------------------------------------------------------------------------------
+
+def streaming_tokens_per_s(weights_gb: float, vram_gb: float, vram_gbs: float, link_gbs: float,
+                           overlap: bool = True, reserve_gb: float = 1.0) -> float:
+    """Decode tokens/s when weights beyond VRAM (less `reserve_gb` for KV cache and activations)
+    cross the link every token: the resident part reads at vram_gbs, the streamed part at link_gbs;
+    with overlap (prefetch the next layers while computing) t = max of the two, without it their sum."""
+    resident = min(max(vram_gb - reserve_gb, 0.0), weights_gb)
+    t_vram, t_link = resident / vram_gbs, (weights_gb - resident) / link_gbs
+    return 1.0 / (max(t_vram, t_link) if overlap else t_vram + t_link)
+
+
+def overflow_for(tokens_per_s: float, link_gbs: float) -> float:
+    """GB of streamed weights per token at which the link alone allows `tokens_per_s` (full overlap)."""
+    return link_gbs / tokens_per_s
+
+
+# ---- measurements ----------------------------------------------------------------------------------------
+
+SIZES = tuple(4096 * 4**i for i in range(10))   # 4 KiB .. 1 GiB
+
+
+def _record(variant: str, metric: str, unit: str, value: float, samples=(), **extra) -> dict:
+    return {"experiment": "link", "model": None, "weights": None, "kv": None, "context": None,
+            "variant": variant, "metric": metric, "unit": unit, "value": float(value),
+            "samples": [float(s) for s in samples][:200], "peer": None, **extra}
+
+
+def _timed(fn, budget_s: float, min_reps: int = 3, max_reps: int = 1000) -> list[float]:
+    """Seconds of repeated calls of fn, as many as the budget allows (at least min_reps)."""
+    times, start = [], time.perf_counter()
+    while len(times) < min_reps or (time.perf_counter() - start < budget_s and len(times) < max_reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def host_copy_bandwidth(sizes=SIZES, budget_s: float = 4.0, max_bytes: int = 1 << 30) -> list[dict]:
+    """Host memory copy rate (np.copyto, bytes copied per second, best of the repeats) per size, the
+    budget split evenly over sizes; small sizes are timed in batches to stay above the clock's grain."""
+    sizes = [s for s in sizes if s <= max_bytes]
+    out = []
+    for size in sizes:
+        src, dst = np.ones(size, np.uint8), np.zeros(size, np.uint8)
+        batch = max(1, (1 << 20) // size)
+
+        def copy():
+            for _ in range(batch):
+                np.copyto(dst, src)
+        copy()                                          # warm-up: pages touched
+        rates = [batch * size / t / 1e9 for t in _timed(copy, budget_s / len(sizes))]
+        out.append(_record("host copy (numpy)", "copy_bandwidth", "GB/s", max(rates), rates, bytes=size))
+    return out
+
+
+def device_copy_bandwidth(sizes=SIZES, budget_s: float = 60.0, max_bytes: int = 1 << 30,
+                          layers: int = 64) -> tuple[list[dict], str | None]:
+    """Host<->device copies through PyTorch, when it sees a CUDA GPU: (records, None), or ([], why not).
+
+    Per direction (h2d, d2h), host memory (pageable, pinned) and size: GB/s by CUDA events around the
+    copy on the current stream (GPU-side time) and by the host clock around copy + synchronize. Then
+    the handshake experiment: `layers` pinned transfers with a synchronize after each against one
+    transfer of the same bytes, repeated; and 4 KiB pinned transfers one by one (per-transfer time)."""
+    try:
+        import torch
+    except ImportError:
+        return [], "torch is not installed: host-device copies not measured"
+    if not torch.cuda.is_available():
+        return [], "torch sees no CUDA device: host-device copies not measured"
+    sizes = [s for s in sizes if s <= max_bytes]
+    each = budget_s / (5 * len(sizes))                  # 4 configurations, then the handshake runs
+    out = []
+    for pinned in (False, True):
+        for direction in ("h2d", "d2h"):
+            variant = f"{direction} {'pinned' if pinned else 'pageable'}"
+            for size in sizes:
+                host = torch.ones(size, dtype=torch.uint8)
+                host = host.pin_memory() if pinned else host
+                dev = torch.empty(size, dtype=torch.uint8, device="cuda")
+                src, dst = (host, dev) if direction == "h2d" else (dev, host)
+                dst.copy_(src, non_blocking=pinned)     # warm-up
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                ev, wall, t0 = [], [], time.perf_counter()
+                while len(ev) < 3 or (time.perf_counter() - t0 < each and len(ev) < 200):
+                    w0 = time.perf_counter()
+                    start.record()
+                    dst.copy_(src, non_blocking=pinned)
+                    end.record()
+                    end.synchronize()                   # also waits for the copy queued before `end`
+                    wall.append(time.perf_counter() - w0)
+                    ev.append(start.elapsed_time(end) / 1e3)
+                for metric, ts in (("copy_bandwidth", ev), ("copy_bandwidth_wall", wall)):
+                    rates = [size / t / 1e9 for t in ts if t > 0]
+                    out.append(_record(variant, metric, "GB/s", max(rates), rates, bytes=size))
+                del host, dev, src, dst
+    total = min(max_bytes, 256 << 20)
+    host = torch.ones(total, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(total, dtype=torch.uint8, device="cuda")
+    chunk = total // layers
+
+    def per_layer():
+        for i in range(layers):
+            dev[i * chunk:(i + 1) * chunk].copy_(host[i * chunk:(i + 1) * chunk], non_blocking=True)
+            torch.cuda.synchronize()                    # a handshake per layer
+
+    def contiguous():
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+    for name, fn in ((f"h2d pinned, {layers} transfers, sync each", per_layer),
+                     ("h2d pinned, one transfer", contiguous)):
+        fn()
+        ts = _timed(fn, budget_s / 10, min_reps=10, max_reps=200)
+        out.append(_record(name, "completion_ms", "ms", float(np.median(ts)) * 1e3, [t * 1e3 for t in ts],
+                           bytes=total, transfers=layers if "sync each" in name else 1))
+    small = host[:4096]
+
+    def one_small():
+        dev[:4096].copy_(small, non_blocking=True)
+        torch.cuda.synchronize()
+    one_small()
+    ts = _timed(one_small, budget_s / 20, min_reps=100, max_reps=2000)
+    out.append(_record("h2d pinned 4 KiB, sync each", "transfer_us", "us", float(np.median(ts)) * 1e6,
+                       [t * 1e6 for t in ts], bytes=4096, p99_us=float(np.percentile(ts, 99)) * 1e6))
+    out += _pcie_link_records()
+    return out, None
+
+
+def _pcie_link_records() -> list[dict]:
+    """The GPU's PCIe generation and width (current and maximum), as nvidia-smi reports them."""
+    import subprocess
+    fields = ("pcie.link.gen.current", "pcie.link.width.current", "pcie.link.gen.max", "pcie.link.width.max")
+    try:
+        res = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20)
+        values = [float(v) for v in res.stdout.splitlines()[0].split(",")]
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return []
+    return [_record("nvidia-smi", f.replace(".", "_"), "gen" if "gen" in f else "lanes", v)
+            for f, v in zip(fields, values)]
+
+
+def measure_link(budget_s: float = 60.0, max_bytes: int = 1 << 30) -> list[dict]:
+    """Every link record: host copies always, host<->device copies where PyTorch sees a GPU; when it
+    does not, one record says why (metric "skipped", its reason in "note")."""
+    records = host_copy_bandwidth(budget_s=min(10.0, budget_s / 4), max_bytes=max_bytes)
+    device, why = device_copy_bandwidth(budget_s=budget_s, max_bytes=max_bytes)
+    return records + (device or [_record("host-device copy (torch)", "skipped", "count", 0, note=why)])
