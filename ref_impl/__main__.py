@@ -5,6 +5,7 @@
     python -m ref_impl quantize models/stdlib-10m.gguf /tmp/stdlib-10m-Q4_K_M.gguf --type Q4_K_M
     python -m ref_impl train --preset stdlib-10m --out models/
     python -m ref_impl bench --model models/stdlib-10m.gguf
+    python -m ref_impl bench --link --label h200
 
 Bad input (a missing or malformed file, an impossible setting) prints one line on stderr
 and exits with status 2; no traceback.
@@ -101,10 +102,12 @@ def cmd_train(a: argparse.Namespace) -> None:
 def cmd_bench(a: argparse.Namespace) -> None:
     import tempfile
 
-    from .bench import args_for, bench_decode, bench_quant, bench_shape, write_results
+    from .bench import args_for, bench_decode, bench_link, bench_quant, bench_shape, write_results
 
     with tempfile.TemporaryDirectory(dir=a.work_dir) as work:
-        if a.quant:
+        if a.link:
+            records = bench_link(a.link_budget, a.link_max_bytes)
+        elif a.quant:
             records = bench_quant(Path(a.model), Path(work), a.quant, a.ppl_tokens, a.prompt_len, a.gen_tokens,
                                   a.repeats, peers=not a.no_peers)
         elif a.shape:
@@ -118,6 +121,11 @@ def cmd_bench(a: argparse.Namespace) -> None:
                            "bandwidth", "bandwidth_fraction"):
             who = r["peer"] or "ours" + (f" ({r['variant']})" if r.get("variant") else "")
             print(f"  {r['weights'] or '':<7} {who:<44} {r['metric']:<18} {r['value']:10.3f} {r['unit']}")
+    largest = max((r.get("bytes") or 0) for r in records)
+    for r in records if a.link else []:
+        if (r["metric"] == "copy_bandwidth" and r["bytes"] == largest) or r["metric"] in ("completion_ms", "transfer_us",
+                                                                                         "skipped"):
+            print(f"  {r['variant']:<40} {r['metric']:<16} {r['value']:10.3f} {r['unit']} {r.get('note', '')}")
     print(f"wrote {path}")
 
 
@@ -174,6 +182,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--ppl-tokens", type=int, default=16384, help="held-out tokens for --quant's perplexity (0: skip)")
     b.add_argument("--shape", help="decode a random-weight model of this public shape, e.g. Llama-3.1-8B")
     b.add_argument("--weights", nargs="+", default=["F16", "Q4_K"], help="weight types for --shape")
+    b.add_argument("--link", action="store_true",
+                   help="copy bandwidth: host memory (numpy) and host<->device through PyTorch if it sees a GPU")
+    b.add_argument("--link-budget", type=float, default=60.0, help="seconds --link may spend on device copies")
+    b.add_argument("--link-max-bytes", type=int, default=1 << 30, help="largest transfer --link times (bytes)")
     b.add_argument("--work-dir", help="where --quant and --shape write their temporary GGUF files")
     b.add_argument("--label", help="machine label for the file name (default: host-backend)")
     b.add_argument("--out", default="results")

@@ -360,6 +360,14 @@ def bench_shape(shape: str, args: ModelArgs, weight_types: Sequence[str], work_d
     return records
 
 
+def bench_link(budget_s: float = 60.0, max_bytes: int = 1 << 30) -> list[dict]:
+    """Link records (experiment "link"): host memory copies, and host<->device copies through PyTorch
+    where it sees a CUDA GPU (else one "skipped" record with the reason). See interconnect.measure_link."""
+    from .interconnect import measure_link
+
+    return measure_link(budget_s, max_bytes)
+
+
 def _git_commit() -> str:
     """The commit of the code that ran: REF_IMPL_GIT where set (a copy of the tree on a lent GPU
     machine, whose .git, if any, need not match the files it ran), else git's answer."""

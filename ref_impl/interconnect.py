@@ -266,7 +266,7 @@ def host_copy_bandwidth(sizes=SIZES, budget_s: float = 4.0, max_bytes: int = 1 <
             for _ in range(batch):
                 np.copyto(dst, src)
         copy()                                          # warm-up: pages touched
-        rates = [batch * size / t / 1e9 for t in _timed(copy, budget_s / len(sizes))]
+        rates = [batch * size / t / 1e9 for t in _timed(copy, budget_s / len(sizes), max_reps=200)]
         out.append(_record("host copy (numpy)", "copy_bandwidth", "GB/s", max(rates), rates, bytes=size))
     return out
 

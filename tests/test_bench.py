@@ -86,3 +86,30 @@ def test_args_for_public_shapes():
     assert not a.tie_word_embeddings and a.num_parameters == 8_030_261_248
     with pytest.raises(ValueError, match="no Llama-architecture shape 'Qwen3-8B'"):
         args_for("Qwen3-8B")                       # q/k norms: not our decoder's architecture
+
+
+def test_bench_link_records_host_copies_in_the_one_shape(tmp_path):
+    """The CPU part of `bench --link`: one numpy copy record per size up to max_bytes, GB/s with samples;
+    without PyTorch and a GPU, one "skipped" record that says why instead of device copies."""
+    from ref_impl.bench import bench_link
+    from ref_impl.interconnect import SIZES
+
+    records = bench_link(budget_s=1.0, max_bytes=1 << 20)
+    host = [r for r in records if r["variant"] == "host copy (numpy)"]
+    assert [r["bytes"] for r in host] == [s for s in SIZES if s <= 1 << 20]
+    for r in records:
+        assert {"experiment", "model", "weights", "kv", "context", "metric", "unit", "value", "samples",
+                "peer"} <= r.keys() and r["experiment"] == "link" and r["peer"] is None
+    for r in host:
+        assert r["metric"] == "copy_bandwidth" and r["unit"] == "GB/s"
+        assert r["value"] > 0 and r["samples"] and max(r["samples"]) == r["value"]
+    try:
+        import torch
+        gpu = torch.cuda.is_available()
+    except ImportError:
+        gpu = False
+    if not gpu:
+        (skip,) = [r for r in records if r["metric"] == "skipped"]
+        assert "not measured" in skip["note"]
+    doc = json.loads(write_results(records, tmp_path, "python -m ref_impl bench --link (test)", "test").read_text())
+    assert doc["records"] == records

@@ -235,3 +235,15 @@ def test_usage_errors_exit_2(args):
     assert "Traceback" not in r.stderr
     assert r.stderr.startswith("usage:") and r.stderr.splitlines()[-1].startswith("python -m ref_impl")
     assert "error:" in r.stderr.splitlines()[-1]
+
+
+def test_bench_link_writes_link_records(tmp):
+    out = tmp / "link"
+    r = cli("bench", "--link", "--link-budget", "2", "--link-max-bytes", str(1 << 20), "--out", out,
+            "--label", "cli-link")
+    assert r.returncode == 0, r.stderr
+    (path,) = out.glob("cli-link-*.json")
+    doc = json.loads(path.read_text())
+    assert doc["command"].startswith("python -m ref_impl bench --link")
+    assert doc["records"] and all(rec["experiment"] == "link" for rec in doc["records"])
+    assert "host copy (numpy)" in r.stdout
