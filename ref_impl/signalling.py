@@ -339,3 +339,23 @@ def bank_conflicts(addr, amap: AddressMap, window: int = 8) -> int:
         same = (ch[lag:] == ch[:-lag]) & (bank[lag:] == bank[:-lag]) & (row[lag:] != row[:-lag])
         hit[lag:] |= same
     return int(hit.sum())
+
+
+def decode_step_streams(context: int = 1024, heads: int = 8, head_bytes: int = 256,
+                        matrix_row_bytes: int = 8192) -> dict[str, np.ndarray]:
+    """Addresses of three reads of one decode step, each with 8 streams side by side: weight-matrix
+    rows (Llama-3.1-8B's 4096 bf16 values = 8 KiB each); one layer's K cache stored head-major
+    ([head][position][dim]: heads `context` x 256 B apart); and stored position-major ([position][head][dim])."""
+    pos_major = (np.arange(context)[:, None, None] * heads * head_bytes + np.arange(heads)[None, :, None] * head_bytes
+                 + np.arange(0, head_bytes, 32)[None, None, :]).ravel()
+    return {"weights: 8 rows at once": concurrent_reads(np.arange(8) * matrix_row_bytes, matrix_row_bytes),
+            "K cache, head-major: 8 heads at once": concurrent_reads(np.arange(heads) * context * head_bytes,
+                                                                     context * head_bytes),
+            "K cache, position-major: 8 heads at once": pos_major}
+
+
+def conflict_rates(streams: dict[str, np.ndarray], window: int = 8) -> dict[tuple[str, int, bool], float]:
+    """(stream, channels per device, xor map) -> share of requests that hit a bank conflict, for a
+    GDDR6-like device (2 channels) and a GDDR7-like one (4), 16 banks per channel, 2 KiB rows."""
+    return {(name, ch, xor): bank_conflicts(a, AddressMap(ch, xor=xor), window) / a.size
+            for name, a in streams.items() for ch in (2, 4) for xor in (False, True)}
