@@ -103,17 +103,16 @@ def usb4_packets(tlp_bytes: int) -> tuple[int, int]:
 
 
 def tunnel_overhead(payload: int, header_dw: int = 3) -> dict[str, float]:
-    """USB4 encapsulation of one TLP carrying `payload` bytes, bounded two ways: the adapter keeps the
-    whole TLP with its framing and LCRC (upper bound), or only header + payload (lower bound)."""
-    full = payload + sum(tlp_overheads(4, header_dw).values())
-    bare = payload + 4 * header_dw
+    """USB4 encapsulation of one TLP carrying `payload` bytes, two ways, since how an adapter packs TLPs
+    is not public: it keeps the whole TLP with framing and LCRC ("full"), or only header + payload
+    ("bare"). Shares of the tunnelled bytes taken by USB4 headers, and wire bytes per payload byte."""
     out = {}
-    for name, tlp in (("upper", full), ("lower", bare)):
+    for name, tlp in (("full", payload + sum(tlp_overheads(4, header_dw).values())), ("bare", payload + 4 * header_dw)):
         n, extra = usb4_packets(tlp)
         out[f"{name}: packets per TLP"] = n
         out[f"{name}: header bytes per TLP"] = extra
         out[f"{name}: share of tunnelled bytes"] = extra / (tlp + extra)
-    out["wire bytes per payload byte (upper)"] = (full + usb4_packets(full)[1]) / payload
+        out[f"{name}: wire bytes per payload byte"] = (tlp + extra) / payload
     return out
 
 
@@ -364,3 +363,26 @@ def measure_link(budget_s: float = 60.0, max_bytes: int = 1 << 30) -> list[dict]
     records = host_copy_bandwidth(budget_s=min(10.0, budget_s / 4), max_bytes=max_bytes)
     device, why = device_copy_bandwidth(budget_s=budget_s, max_bytes=max_bytes)
     return records + (device or [_record("host-device copy (torch)", "skipped", "count", 0, note=why)])
+
+
+VRAM_SIZES_GB = (8, 12, 16, 24)
+
+
+def streaming_grid(models: list[str], bits=(4, 8, 16), vram_sizes=VRAM_SIZES_GB, vram_gbs: float = 1008.0,
+                   link_gbs: float = MEASURED["TB5 host-to-device"], reserve_gb: float = 1.0) -> list[dict]:
+    """Every (model of roofline.MODELS, bits, VRAM size) whose weights overflow VRAM: weight and
+    overflow GB, tokens/s streamed (with and without overlap) and resident (if it all fit)."""
+    from . import roofline
+
+    rows = []
+    for name in models:
+        for b in bits:
+            w = roofline.weight_bytes(roofline.MODELS[name], b) / 1e9
+            for v in vram_sizes:
+                over = w - max(v - reserve_gb, 0.0)
+                if over > 0:
+                    rows.append({"model": name, "bits": b, "vram_gb": v, "weights_gb": w, "overflow_gb": over,
+                                 "overlap": streaming_tokens_per_s(w, v, vram_gbs, link_gbs, True, reserve_gb),
+                                 "serial": streaming_tokens_per_s(w, v, vram_gbs, link_gbs, False, reserve_gb),
+                                 "resident": vram_gbs / w})
+    return rows
