@@ -22,8 +22,10 @@ Steady-state seconds per token, with n kernels, E = n·e + B·c of CPU encode+co
                    GPU-bound: G, the GPU never idles and the host's work is hidden;
                    balanced (E + s + h = G): both are busy all the time, half of per_token's
                    n·e + c + n·g + s + h when one buffer holds the token.
-The first token also pays the pipeline fill (and the last skips an encode), so `simulate` gives
-the whole timeline, and `steady_period` the inter-token latency in the middle of it.
+`steady_period` is the inter-token latency once the pipeline is full; `simulate` also shows the
+fill (the first token, and with depth > 2 a GPU-bound queue fills for about
+(depth - 1)·G / (G - E - s - h) tokens while the host runs ahead) and the drain (the last token
+skips an encode: `generate.py` queues one step more than it yields).
 
 References: Apple, Metal "Setting Up a Command Structure" (MTLCommandBuffer commit,
 waitUntilCompleted); NVIDIA CUDA Programming Guide, "Asynchronous Concurrent Execution";
@@ -66,7 +68,10 @@ class QueueConfig:
     seed: int = 0
 
     def __post_init__(self):
-        g = np.asarray(self.gpu_s, dtype=float)
+        try:
+            g = np.asarray(self.gpu_s, dtype=float)
+        except (TypeError, ValueError):
+            raise ValueError(f"invalid QueueConfig: gpu_s={self.gpu_s!r} (must be a number or one per kernel)")
         bad = [f"{name}={value!r} (must be {rule})" for name, value, rule, ok in [
             ("kernels_per_token", self.kernels_per_token, "an int >= 1", _count(self.kernels_per_token)),
             ("kernels_per_buffer", self.kernels_per_buffer, "an int >= 1", _count(self.kernels_per_buffer)),
