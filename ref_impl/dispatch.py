@@ -18,12 +18,12 @@ Steady-state seconds per token, with n kernels, E = n·e + B·c of CPU encode+co
                    GPU-bound (the GPU never waits for a buffer):              F = n_1·e + c + G
                    one buffer per token: F = n·e + c + n·g, both cases alike
   double_buffer  P = max(E + s + h, G)                    (any depth >= 2, any B)
-                   CPU-bound: E + s + h, the GPU idles G - (E + s + h) per token;
+                   CPU-bound: E + s + h, the GPU idles (E + s + h) - G per token;
                    GPU-bound: G, the GPU never idles and the host's work is hidden;
                    balanced (E + s + h = G): both are busy all the time, half of per_token's
                    n·e + c + n·g + s + h when one buffer holds the token.
 `steady_period` is the inter-token latency once the pipeline is full; `simulate` also shows the
-fill (the first token, and with depth > 2 a GPU-bound queue fills for about
+fill (the first token; and a GPU-bound queue fills for about
 (depth - 1)·G / (G - E - s - h) tokens while the host runs ahead) and the drain (the last token
 skips an encode: `generate.py` queues one step more than it yields).
 
