@@ -321,3 +321,89 @@ def load_comparison(path: str | os.PathLike, methods: Sequence[str] = METHODS,
                     pass
         out += [measure_load(path, method, cache) for method in methods]
     return out
+
+
+# ---- wired memory, the Linux analog (C15) ------------------------------------------------------------
+# macOS "wires" the pages MLX hands the GPU, so a tensor read never waits on a page fault (or swap).
+# On Linux the analog is mlock(2): it faults every page in and pins it. Here one weight-sized buffer is
+# read tensor by tensor on first touch (every page faults), after it was touched once, and mlocked.
+
+@dataclass(frozen=True)
+class WiredRead:
+    """One pass reading a buffer of float32 "tensors" in turn (a sum over each)."""
+    variant: str                    # "first_touch", "prefaulted" or "mlocked"
+    buffer_bytes: int
+    tensor_bytes: int
+    read_ms: float                  # the whole pass
+    gb_per_s: float
+    tensor_read_ms: tuple[float, ...]   # each tensor's read, in order
+    minor_faults: int               # ru_minflt during the pass (page mapped without I/O)
+    major_faults: int               # ru_majflt during the pass (page read from disk or swap)
+    locked: bool | None             # mlock succeeded; None where it was not tried
+    error: str = ""                 # why mlock failed (e.g. EPERM, or ENOMEM under RLIMIT_MEMLOCK)
+
+
+def _mlock(address: int, nbytes: int, lock: bool = True) -> str:
+    """mlock (or munlock) a range through libc; "" on success, else the errno's message."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(libc, "mlock" if lock else "munlock", None)
+    if fn is None:
+        return "mlock is not available here"
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    if fn(ctypes.c_void_p(address), ctypes.c_size_t(nbytes)) != 0:
+        err = ctypes.get_errno()
+        return f"{'mlock' if lock else 'munlock'} failed: {os.strerror(err)} (errno {err})"
+    return ""
+
+
+def _timed_pass(buf, tensor_bytes: int) -> tuple[float, list[float], int, int]:
+    view = np.frombuffer(buf, dtype=np.float32)
+    per = tensor_bytes // 4
+    times = []
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.perf_counter()
+    for lo in range(0, view.size, per):
+        t = time.perf_counter()
+        np.add.reduce(view[lo:lo + per])
+        times.append((time.perf_counter() - t) * 1e3)
+    total = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    del view
+    return total, times, after.ru_minflt - before.ru_minflt, after.ru_majflt - before.ru_majflt
+
+
+def wired_reads(buffer_bytes: int = 256 * MiB, tensor_bytes: int = 4 * MiB, repeats: int = 3,
+                variants: Sequence[str] = ("first_touch", "prefaulted", "mlocked")) -> list[WiredRead]:
+    """Read a fresh anonymous mmap of buffer_bytes, tensor_bytes at a time, `repeats` times per variant:
+    "first_touch" reads pages never touched (each page faults; Linux maps its shared zero page),
+    "prefaulted" reads pages written once before, "mlocked" reads pages written and then mlocked
+    (an mlock that fails, e.g. without CAP_IPC_LOCK beyond RLIMIT_MEMLOCK, is recorded in `error`
+    and the pass still runs, unlocked). Each repeat maps a new buffer."""
+    import mmap
+
+    if tensor_bytes < 4 or buffer_bytes < tensor_bytes or repeats < 1:
+        raise ValueError(f"wired_reads needs 4 <= tensor_bytes <= buffer_bytes and repeats >= 1, got "
+                         f"{tensor_bytes}, {buffer_bytes}, {repeats}")
+    buffer_bytes -= buffer_bytes % tensor_bytes
+    out = []
+    for variant in variants:
+        if variant not in ("first_touch", "prefaulted", "mlocked"):
+            raise ValueError(f"unknown variant {variant!r}")
+        for _ in range(repeats):
+            buf = mmap.mmap(-1, buffer_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            locked, error, address = None, "", 0
+            if variant != "first_touch":
+                fill = np.frombuffer(buf, dtype=np.float32)
+                fill[:] = 1.0                                # every page allocated and written
+                address = fill.ctypes.data
+                if variant == "mlocked":
+                    error = _mlock(address, buffer_bytes)
+                    locked = not error
+                del fill
+            seconds, times, minflt, majflt = _timed_pass(buf, tensor_bytes)
+            if locked:
+                _mlock(address, buffer_bytes, lock=False)
+            buf.close()
+            out.append(WiredRead(variant, buffer_bytes, tensor_bytes, seconds * 1e3, buffer_bytes / seconds / 1e9,
+                                 tuple(times), minflt, majflt, locked, error))
+    return out
