@@ -6,6 +6,7 @@
     python -m ref_impl train --preset stdlib-10m --out models/
     python -m ref_impl bench --model models/stdlib-10m.gguf
     python -m ref_impl bench --link --label h200
+    python -m ref_impl bench --dispatch --shapes tiny Llama-3.2-1B Llama-3.1-8B --label h200
 
 Bad input (a missing or malformed file, an impossible setting) prints one line on stderr
 and exits with status 2; no traceback.
@@ -102,10 +103,13 @@ def cmd_train(a: argparse.Namespace) -> None:
 def cmd_bench(a: argparse.Namespace) -> None:
     import tempfile
 
-    from .bench import args_for, bench_decode, bench_link, bench_quant, bench_shape, write_results
+    from .bench import args_for, bench_decode, bench_dispatch, bench_link, bench_quant, bench_shape, write_results
 
     with tempfile.TemporaryDirectory(dir=a.work_dir) as work:
-        if a.link:
+        if a.dispatch:
+            records = bench_dispatch(Path(a.model), a.shapes, a.quick,
+                                     progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+        elif a.link:
             records = bench_link(a.link_budget, a.link_max_bytes)
         elif a.quant:
             records = bench_quant(Path(a.model), Path(work), a.quant, a.ppl_tokens, a.prompt_len, a.gen_tokens,
@@ -116,7 +120,7 @@ def cmd_bench(a: argparse.Namespace) -> None:
         else:
             records = bench_decode(Path(a.model), a.prompt_len, a.gen_tokens, a.repeats, peers=not a.no_peers)
     path = write_results(records, Path(a.out), "python -m ref_impl " + shlex.join(sys.argv[1:]), a.label)
-    for r in records:
+    for r in records if not a.dispatch else []:
         if r["metric"] in ("tokens_per_s", "ttft_ms", "heldout_perplexity", "bits_per_weight",
                            "bandwidth", "bandwidth_fraction"):
             who = r["peer"] or "ours" + (f" ({r['variant']})" if r.get("variant") else "")
@@ -126,6 +130,11 @@ def cmd_bench(a: argparse.Namespace) -> None:
         if (r["metric"] == "copy_bandwidth" and r["bytes"] == largest) or r["metric"] in ("completion_ms", "transfer_us",
                                                                                          "skipped"):
             print(f"  {r['variant']:<40} {r['metric']:<16} {r['value']:10.3f} {r['unit']} {r.get('note', '')}")
+    for r in records if a.dispatch else []:
+        if r["metric"] in ("gain", "slowdown", "launch_us", "break_even_elements", "itl_max_ms", "first_over_steady"):
+            value = "-" if r["value"] is None else f"{r['value']:.3f}"
+            print(f"  {r['experiment']:<19} {r['model'] or '':<13} {r['variant'] or '':<16} {r['metric']:<20} "
+                  f"{value:>10} {r['unit']}")
     print(f"wrote {path}")
 
 
@@ -186,6 +195,13 @@ def parser() -> argparse.ArgumentParser:
                    help="copy bandwidth: host memory (numpy) and host<->device through PyTorch if it sees a GPU")
     b.add_argument("--link-budget", type=float, default=60.0, help="seconds --link may spend on device copies")
     b.add_argument("--link-max-bytes", type=int, default=1 << 30, help="largest transfer --link times (bytes)")
+    b.add_argument("--dispatch", action="store_true",
+                   help="dispatch measurements (sync vs async_eval vs eval per layer, first-call cost, kernel "
+                        "latency, KV-cache jitter, wired memory, TTFT/ITL vs context) on --model and --shapes")
+    b.add_argument("--shapes", nargs="+", metavar="SHAPE",
+                   help="random-weight shapes for --dispatch: tiny or a Llama shape (default: tiny, Llama-3.2-1B, "
+                        "Llama-3.1-8B on a GPU; tiny on the CPU)")
+    b.add_argument("--quick", action="store_true", help="--dispatch with tiny sizes: checks it runs, in seconds")
     b.add_argument("--work-dir", help="where --quant and --shape write their temporary GGUF files")
     b.add_argument("--label", help="machine label for the file name (default: host-backend)")
     b.add_argument("--out", default="results")

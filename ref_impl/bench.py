@@ -368,6 +368,16 @@ def bench_link(budget_s: float = 60.0, max_bytes: int = 1 << 30) -> list[dict]:
     return measure_link(budget_s, max_bytes)
 
 
+def bench_dispatch(path: Path, shapes: Sequence[str] | None = None, quick: bool = False, progress=None) -> list[dict]:
+    """Dispatch records (experiments "dispatch-async", "dispatch-layer-eval", "first-call", "kernel-latency",
+    "kv-jitter", "wired", "ttft", "itl") for the GGUF model at path and random models of `shapes`, sized for
+    this device (quick: seconds on a CPU, a smoke test). See dispatch.bench_dispatch."""
+    from . import dispatch
+
+    plan = dispatch.DispatchPlan.for_device(mx.default_device() == mx.gpu, quick)
+    return dispatch.bench_dispatch(path, shapes, plan, progress=progress)
+
+
 def _git_commit() -> str:
     """The commit of the code that ran: REF_IMPL_GIT where set (a copy of the tree on a lent GPU
     machine, whose .git, if any, need not match the files it ran), else git's answer."""
