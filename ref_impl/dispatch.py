@@ -57,9 +57,16 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-import plotly.graph_objects as go
 
-from . import viz
+try:  # plotly draws the Gantt chart only; the measurements run without it (the lent GPU machine has none)
+    import plotly.graph_objects as go
+
+    from . import viz
+    _PALETTE = viz.PALETTE
+except ModuleNotFoundError:
+    go = viz = None
+    _PALETTE = ("",) * 7
+
 from .bench import _summarize, _time_tokens, args_for, ours
 from .generate import Sampler, generate_step, prefill
 from .kvcache import CACHES, KVCache, make_caches
@@ -67,8 +74,8 @@ from .model import Model, ModelArgs, default_dtype, load
 
 POLICIES = ("per_buffer", "per_token", "double_buffer")
 KINDS = {  # kind -> colour; CPU: encode, commit, wait, sync, host; GPU: kernel, idle
-    "encode": viz.PALETTE[0], "commit": viz.PALETTE[5], "wait": "#9a9a9a", "sync": viz.PALETTE[3],
-    "host": viz.PALETTE[4], "kernel": viz.PALETTE[2], "idle": "#dedede"}
+    "encode": _PALETTE[0], "commit": _PALETTE[5], "wait": "#9a9a9a", "sync": _PALETTE[3],
+    "host": _PALETTE[4], "kernel": _PALETTE[2], "idle": "#dedede"}
 
 
 @dataclass
