@@ -164,9 +164,9 @@ def with_dropdown(fig: go.Figure, options: Mapping[str, Sequence[int]]) -> go.Fi
                for name, mask in zip(options, masks)]
     fig.update_layout(updatemenus=[dict(buttons=buttons, direction="down", showactive=True,
                                         x=1.0, xanchor="right", y=1.02, yanchor="bottom")],
-                      # the title sits on a line 55 px above the plot, the menu in between: a two-line
-                      # title grows upwards into the 130 px margin and never meets the menu or the top
-                      margin_t=130, title_y=1, title_yref="paper", title_yanchor="bottom", title_pad_b=55)
+                      # the title hangs from the figure's top edge (two lines take ~55 px), the menu sits
+                      # on the plot's top edge: in a 130 px margin they never meet
+                      margin_t=130, title_y=0.93, title_yref="container", title_yanchor="top")
     return fig
 
 
