@@ -170,12 +170,13 @@ def with_dropdown(fig: go.Figure, options: Mapping[str, Sequence[int]]) -> go.Fi
     return fig
 
 
-def with_slider(fig: go.Figure, steps: Mapping[str, Sequence[int]], prefix: str) -> go.Figure:
+def with_slider(fig: go.Figure, steps: Mapping[str, Sequence[int]], prefix: str, pad_t: int = 50) -> go.Figure:
     """A slider with one step per entry of `steps` ({step label: indices of the traces to show}),
-    e.g. one step per batch size. `prefix` names the quantity and unit, e.g. 'Batch size (tokens): '."""
+    e.g. one step per batch size. `prefix` names the quantity and unit, e.g. 'Batch size (tokens): '.
+    `pad_t`: pixels between the plot and the slider (more for long or rotated tick labels)."""
     masks = _visibility(fig, steps)
     fig.update_layout(sliders=[dict(
-        active=0, currentvalue=dict(prefix=prefix), pad=dict(t=50),
+        active=0, currentvalue=dict(prefix=prefix), pad=dict(t=pad_t),
         steps=[dict(label=name, method="restyle", args=[{"visible": mask}])
                for name, mask in zip(steps, masks)])])
     return fig
