@@ -555,12 +555,14 @@ def kernel_latency(sizes: Sequence[int] = tuple(4 ** k for k in range(13)), chai
 
 
 def break_even(results: Sequence[KernelLatency], chain: int = 1, compiled: bool = False) -> dict:
-    """The launch floor (per-op µs at the smallest size) and the first size whose per-op time is at
-    least twice it: there the work costs as much as the launch. None if no size got there."""
+    """The launch floor (median per-op µs over sizes up to 4096 elements, where the work is negligible
+    on any device) and the first size whose per-op time is at least twice it: there the work costs as
+    much as the launch. None if no size got there."""
     rows = sorted((r for r in results if r.chain == chain and r.compiled == compiled), key=lambda r: r.elements)
     if not rows:
         raise ValueError(f"no results for chain={chain}, compiled={compiled}")
-    floor = rows[0].per_op_us
+    small = [r.per_op_us for r in rows if r.elements <= 4096] or [rows[0].per_op_us]
+    floor = float(np.median(small))
     over = [r.elements for r in rows if r.per_op_us >= 2 * floor]
     return {"launch_us": floor, "break_even_elements": over[0] if over else None}
 
@@ -662,17 +664,18 @@ class DispatchPlan:
     """Sizes and budgets for `bench_dispatch`; `for_device` picks them for a GPU, the CPU or a quick check."""
     prompt_len: int = 32
     decode_tokens: int = 128              # per run of decode_modes
-    repeats: int = 3
+    repeats: int = 5
     first_call_tokens: int = 16
-    kernel_sizes: tuple[int, ...] = tuple(4 ** k for k in range(13))   # 1 .. 2^24 elements
+    kernel_sizes: tuple[int, ...] = tuple(4 ** k for k in range(15))   # 1 .. 2^28 elements (1 GiB)
     kernel_chains: tuple[int, ...] = (1, 16)
     kernel_budget_s: float = 30.0
     kv_tokens: int = 2048                 # at most: fewer where decode is too slow for kv_budget_s
-    kv_budget_s: float = 40.0             # per model
+    kv_budget_s: float = 60.0             # per model
     wired_bytes: int = 1 << 30
     wired_repeats: int = 3
     contexts: tuple[int, ...] = (128, 512, 2048, 8192, 32768)
-    context_tokens: int = 16
+    context_tokens: int = 32
+    context_repeats: int = 2
     context_budget_s: float = 60.0        # per model
     timeout_s: float = 300.0              # per first-call process (a cold CUDA kernel cache compiles all)
 
@@ -682,13 +685,13 @@ class DispatchPlan:
             return cls(prompt_len=8, decode_tokens=6, repeats=1, first_call_tokens=3, kernel_sizes=(1, 256, 65536),
                        kernel_chains=(1, 4), kernel_budget_s=2.0, kv_tokens=24, kv_budget_s=5.0,
                        wired_bytes=4 << 20, wired_repeats=1, contexts=(8, 32), context_tokens=4,
-                       context_budget_s=5.0, timeout_s=120.0)
+                       context_repeats=1, context_budget_s=5.0, timeout_s=120.0)
         if gpu:
             return cls()
-        return cls(prompt_len=16, decode_tokens=48, first_call_tokens=8, kernel_sizes=tuple(4 ** k for k in range(11)),
-                   kernel_chains=(1, 8), kernel_budget_s=10.0, kv_tokens=400, kv_budget_s=20.0,
-                   wired_bytes=64 << 20, wired_repeats=2, contexts=(16, 64, 256), context_tokens=8,
-                   context_budget_s=20.0)
+        return cls(prompt_len=16, decode_tokens=48, repeats=3, first_call_tokens=8,
+                   kernel_sizes=tuple(4 ** k for k in range(11)), kernel_chains=(1, 8), kernel_budget_s=10.0,
+                   kv_tokens=400, kv_budget_s=20.0, wired_bytes=64 << 20, wired_repeats=2, contexts=(16, 64, 256),
+                   context_tokens=8, context_repeats=1, context_budget_s=20.0)
 
 
 def _record(experiment: str, model: str | None, weights: str | None, kv: str | None, context: int | None,
@@ -745,7 +748,8 @@ def _model_records(name: str, model: Model, plan: DispatchPlan, sweep: bool, see
                 _record(*base, "cache_bytes", "B", r.cache_bytes),
                 _record(*base, "greedy_agreement", "fraction", match)]
     if sweep:
-        for p in context_sweep(model, plan.contexts, plan.context_tokens, 1, plan.context_budget_s, seed):
+        for p in context_sweep(model, plan.contexts, plan.context_tokens, plan.context_repeats,
+                               plan.context_budget_s, seed):
             rec += [_record("ttft", name, weights, kv, p.context, None, "ttft_ms", "ms", p.ttft_ms),
                     _record("itl", name, weights, kv, p.context, None, "itl_p50_ms", "ms", p.itl_p50_ms),
                     _record("itl", name, weights, kv, p.context, None, "itl_p99_ms", "ms", p.itl_p99_ms),
