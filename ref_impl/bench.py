@@ -371,11 +371,11 @@ def bench_link(budget_s: float = 60.0, max_bytes: int = 1 << 30) -> list[dict]:
 def bench_dispatch(path: Path, shapes: Sequence[str] | None = None, quick: bool = False, progress=None) -> list[dict]:
     """Dispatch records (experiments "dispatch-async", "dispatch-layer-eval", "first-call", "kernel-latency",
     "kv-jitter", "wired", "ttft", "itl") for the GGUF model at path and random models of `shapes`, sized for
-    this device (quick: seconds on a CPU, a smoke test). See dispatch.bench_dispatch."""
-    from . import dispatch
+    this device (quick: seconds on a CPU, a smoke test). See latency.bench_dispatch."""
+    from . import latency
 
-    plan = dispatch.DispatchPlan.for_device(mx.default_device() == mx.gpu, quick)
-    return dispatch.bench_dispatch(path, shapes, plan, progress=progress)
+    plan = latency.DispatchPlan.for_device(mx.default_device() == mx.gpu, quick)
+    return latency.bench_dispatch(path, shapes, plan, progress=progress)
 
 
 def _git_commit() -> str:

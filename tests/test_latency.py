@@ -1,4 +1,4 @@
-"""dispatch's measurements through MLX, and the growing KV caches they compare with the static one.
+"""latency: the measurements through MLX, and the growing KV caches they compare with the static one.
 
 The measurement functions run at tiny sizes on the CPU and return well-typed, sane results; no
 assertion depends on how fast anything runs. The cache strategies give the same logits and tokens
@@ -18,8 +18,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ref_impl import dispatch, loading
-from ref_impl.dispatch import (MODES, CompileCost, DecodeRate, JitterRun, KernelLatency, break_even,
+from ref_impl import latency, loading
+from ref_impl.latency import (MODES, CompileCost, DecodeRate, JitterRun, KernelLatency, break_even,
                                decode_modes, kv_jitter, layer_eval_step, random_model, shape_args)
 from ref_impl.generate import Sampler, generate_step
 from ref_impl.kvcache import CACHES, ChunkedKVCache, ConcatKVCache, KVCache, make_caches
@@ -118,15 +118,15 @@ def test_decode_modes(tiny):
 
 
 def test_token_times_and_compile_cost(tiny):
-    times = dispatch.token_times_ms(tiny, prompt_len=4, n_tokens=3)
+    times = latency.token_times_ms(tiny, prompt_len=4, n_tokens=3)
     assert len(times) == 3 and all(t > 0 for t in times)
-    cost = dispatch.compile_cost(elements=64, ops=3, calls=3)
+    cost = latency.compile_cost(elements=64, ops=3, calls=3)
     assert isinstance(cost, CompileCost) and (cost.elements, cost.ops) == (64, 3)
     assert min(cost.first_call_ms, cost.later_call_ms, cost.uncompiled_call_ms, cost.uncompiled_first_call_ms) > 0
 
 
 def test_first_call_in_a_fresh_process(shipped_model):
-    (fc,) = dispatch.first_call(shipped_model, prompt_len=4, n_tokens=3, runs=2, processes=1, timeout_s=120)
+    (fc,) = latency.first_call(shipped_model, prompt_len=4, n_tokens=3, runs=2, processes=1, timeout_s=120)
     assert fc.model == "stdlib-10m" and "empty kernel cache" in fc.label
     assert len(fc.runs_token_ms) == 2 and all(len(r) == 3 and min(r) > 0 for r in fc.runs_token_ms)
     assert fc.process_s > 0 and fc.load_ms > 0 and math.isfinite(fc.startup_s)
@@ -134,13 +134,13 @@ def test_first_call_in_a_fresh_process(shipped_model):
 
 
 def test_first_call_child_refuses_bad_arguments():
-    r = subprocess.run([sys.executable, "-m", "ref_impl.dispatch", "first-call"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "ref_impl.latency", "first-call"], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.startswith("usage:")
 
 
 def test_kernel_latency_and_break_even():
-    res = dispatch.kernel_latency(sizes=(1, 64, 4096), chains=(1, 3), compiled=(False, True), target_s=0.001,
+    res = latency.kernel_latency(sizes=(1, 64, 4096), chains=(1, 3), compiled=(False, True), target_s=0.001,
                                   rounds=2)
     assert len(res) == 3 * 2 * 2 and all(isinstance(r, KernelLatency) for r in res)
     for r in res:
@@ -174,7 +174,7 @@ def test_kv_jitter(tiny):
 
 
 def test_context_sweep_skips_lengths_past_the_context(tiny):
-    points = dispatch.context_sweep(tiny, [8, 4, 10_000], n_tokens=3)
+    points = latency.context_sweep(tiny, [8, 4, 10_000], n_tokens=3)
     assert [p.context for p in points] == [4, 8]
     assert all(p.ttft_ms > 0 and p.itl_p50_ms > 0 and p.tokens_per_s > 0 for p in points)
 
