@@ -837,3 +837,103 @@ def check_streaming_tokens_per_s(answer, weights_gb: float = 16.06, vram_gb: flo
     return _check("Interconnect task 3", answer, cases, "tokens/s",
                   "resident = VRAM − 1 GB; t = max (overlap) or sum of resident / VRAM GB/s and "
                   "(weights − resident) / link GB/s; tokens/s = 1 / t.")
+
+
+# Chapter "Pipeline caching, static workspaces and wired memory" (book/dispatch/caching-workspaces) -------
+# Its tasks are "Caching task 1" to "Caching task 3"; tests: `pytest tests/test_exercises.py -k caching_task`.
+
+def _amortized_case(first_ms: float, steady_ms: float, n_tokens: int):
+    extra = first_ms - steady_ms
+    right = extra / n_tokens
+    mistakes = [
+        (first_ms / n_tokens, "the first token would take a steady step anyway: only first − steady is overhead."),
+        (extra / (n_tokens - 1), f"spread the pause over all {n_tokens} tokens, the first one included."),
+        (extra, f"that is the whole pause; amortized means divided over the {n_tokens} tokens."),
+        (steady_ms + right, "that is the mean time per token; the overhead is what the pause adds to it."),
+        (right / 1e3, "give milliseconds, not seconds."),
+        (right * 1e3, "the times are already in milliseconds."),
+        (100 * right / steady_ms, "give milliseconds per token, not a percentage of the steady step."),
+    ]
+    label = f"first token {first_ms:g} ms, steady {steady_ms:g} ms, {n_tokens:,} tokens"
+    return (first_ms, steady_ms, n_tokens), label, right, mistakes
+
+
+def check_amortized_overhead(answer, first_ms: float = 6340.0, steady_ms: float = 0.92, n_tokens: int = 256) -> Result:
+    """Caching task 1: the milliseconds a first-token pause adds to every token of a generation of
+    `n_tokens` tokens, when the first token took `first_ms` and every later one `steady_ms`.
+
+    `answer` is a number for the given case (default: an H200's fresh process, rounded), or a function
+    `f(first_ms, steady_ms, n_tokens) -> ms per token` called on four cases.
+    """
+    cases = [_amortized_case(first_ms, steady_ms, n_tokens), _amortized_case(242.0, 1.09, 16),
+             _amortized_case(27.6, 11.4, 8), _amortized_case(51_600.0, 18.0, 300)]
+    return _check("Caching task 1", answer, cases, "ms/token",
+                  "overhead per token = (first_ms − steady_ms) / n_tokens.")
+
+
+_DTYPES = {2: "float16", 4: "float32", 1: "uint8"}
+
+
+def _static_kv_case(shape: str, context: int, dtype_bytes: int):
+    import mlx.core as mx
+
+    from .bench import args_for
+    from .kvcache import make_caches
+
+    a = args_for(shape, max(context, 1))
+    caches = make_caches("static", a.num_hidden_layers, 1, a.num_key_value_heads, a.head_dim, context,
+                         getattr(mx, _DTYPES[dtype_bytes]))
+    right = sum(c.nbytes for c in caches)            # lazy zeros: nbytes needs no allocation
+    per_pos = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * dtype_bytes
+    grown = -(-context // 256) * 256
+    mistakes = [
+        (right // 2, "a cache holds keys and values: two buffers per layer."),
+        (right // a.num_hidden_layers, "every layer has its own cache: multiply by the number of layers."),
+        (right * a.num_attention_heads // a.num_key_value_heads,
+         "grouped-query attention caches num_key_value_heads heads, not num_attention_heads."),
+        (right * 8, "bits vs bytes: dtype_bytes is already in bytes."),
+        (per_pos * grown, "that is a chunked cache rounded up to 256 positions; a static cache holds exactly the context."),
+        (right * 4 // dtype_bytes, f"the cache is stored in {dtype_bytes}-byte values here, not 4."),
+        (right * 2 // dtype_bytes, f"the cache is stored in {dtype_bytes}-byte values here, not 2."),
+    ]
+    label = f"{shape}, context {context:,}, {dtype_bytes}-byte values"
+    return (a, context, dtype_bytes), label, right, mistakes
+
+
+def check_static_kv_bytes(answer, shape: str = "Llama-3.1-8B", context: int = 8192, dtype_bytes: int = 2) -> Result:
+    """Caching task 2: bytes a static (pre-allocated) KV cache holds for one sequence of `context`
+    positions, as `kvcache.make_caches("static", ...)` allocates it.
+
+    `answer` is a whole number of bytes for the given case, or a function `f(args, context, dtype_bytes)`
+    taking a `model.ModelArgs` (fields num_hidden_layers, num_key_value_heads, num_attention_heads,
+    head_dim) and called on four cases. Checked exactly against the caches' `nbytes`.
+    """
+    cases = [_static_kv_case(shape, context, dtype_bytes), _static_kv_case("Llama-3.2-1B", 2080, 2),
+             _static_kv_case("Llama-3.1-8B", 1000, 4), _static_kv_case("Llama-3.2-3B", 131_072, 2)]
+    return _exact("Caching task 2", answer, cases, "bytes = 2 (K and V) × layers × kv_heads × context × head_dim "
+                  "× dtype_bytes.", int)
+
+
+def _faults_case(nbytes: int, page: int):
+    right = -(-nbytes // page)
+    mistakes = [
+        (nbytes // page, "a partly used last page faults too: round up."),
+        (8 * nbytes // page, "bits vs bytes: the buffer size is in bytes."),
+        (-(-nbytes // 4000), "a page is 4 KiB = 4,096 bytes, not 4,000."),
+        (-(-nbytes // 4096), f"this machine's pages are {page:,} bytes (Apple silicon uses 16 KiB pages)."),
+        (-(-nbytes // (2 << 20)), "that is 2 MiB huge pages; the buffer uses base pages."),
+        (0, "a first touch maps every page, and each mapping is one minor fault."),
+        (2 * right, "one fault per page: the first touch maps it, later reads find it mapped."),
+    ]
+    return (nbytes, page), f"{nbytes:,} bytes, {page:,}-byte pages", right, mistakes
+
+
+def check_page_faults(answer, nbytes: int = 64 << 20, page: int = 4096) -> Result:
+    """Caching task 3: minor page faults when a fresh anonymous buffer of `nbytes` is read for the first
+    time, with `page`-byte pages (one fault per page, as `loading.wired_reads` counts them).
+
+    `answer` is a whole number for the given case, or a function `f(nbytes, page)` called on six cases.
+    """
+    cases = [_faults_case(nbytes, page), _faults_case(1 << 30, 4096), _faults_case(10_000, 4096),
+             _faults_case(4096, 4096), _faults_case(64 << 20, 16384), _faults_case(1, 4096)]
+    return _exact("Caching task 3", answer, cases, "faults = ceil(nbytes / page).", int)
