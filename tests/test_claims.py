@@ -15,7 +15,8 @@ from ref_impl import claims, roofline
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared"          # CI keeps a copy of shared/ beside the clone
 IMPLEMENTED = ("C03", "C04", "C07", "C08", "C10", "C11", "C14", "C18", "C19", "C23", "C25", "C26", "C27", "C29",
-               "C32")
+               "C32",
+               "C01", "C21", "C31")
 IDS = [f"C{i:02d}" for i in range(1, 33)]
 
 
@@ -353,3 +354,84 @@ def test_c25_simulation_favours_one_transfer_only_for_small_layers():
     # one 4 MiB transfer at 5.6 GB/s is 0.749 ms, plus a ~10 µs handshake
     assert ev["64 × 64 KiB, one transfer: p50"].value == pytest.approx(64 * 65536 / 5.6e6 + 0.010, rel=0.01)
     assert claims.check("C25", live=False).evidence == ev          # seeded: the same numbers every time
+
+
+# ---- Dispatch: command buffers and sync bubbles (C01, C21, C31) ----------------------------------------
+
+def test_c21_queue_model_evidence_by_hand():
+    # defaults: n = 48 kernels of e = 3 µs and g = 8 µs, 16 per buffer (3 buffers), c = 10, s = 20, h = 60 µs
+    # per_buffer: E = 48*3 + 3*10 = 174, G = 384: 174 + 384 + 3*20 + 60 = 678
+    # per_token: commit ends 58, 116, 174; GPU work left 384, 256, 128: max(442, 372, 302) + 20 + 60 = 522
+    # double_buffer: max(174 + 20 + 60, 384) = 384
+    ev = claims.check("C21", live=False).evidence
+    for policy, us in (("per_buffer", 678), ("per_token", 522), ("double_buffer", 384)):
+        assert ev[f"queue model, default costs: {policy} ITL"].value == pytest.approx(us)
+
+
+def _fake_records(monkeypatch, rows):
+    """rows: (label, backend, model, variant, metric, value) -> what dispatch_records returns for any experiment."""
+    rec = {(lab, model, var, metric): {"value": v, "backend": b} for lab, b, model, var, metric, v in rows}
+    monkeypatch.setattr(claims, "dispatch_records", lambda experiment: rec)
+
+
+def test_c21_small_model_losses_confirm_and_large_model_losses_qualify(monkeypatch):
+    # sync 75 vs async 100 tok/s: 25% lost on the tiny model; 95 vs 100: 5% on the 8B shape -> the claim as stated
+    _fake_records(monkeypatch, [("gpu", "cuda", "tiny", "sync", "tokens_per_s", 75.0),
+                                ("gpu", "cuda", "tiny", "async_eval", "tokens_per_s", 100.0),
+                                ("gpu", "cuda", "Llama-3.1-8B", "sync", "tokens_per_s", 95.0),
+                                ("gpu", "cuda", "Llama-3.1-8B", "async_eval", "tokens_per_s", 100.0)])
+    v = claims.check("C21", live=False)
+    assert v.status == "confirmed"
+    assert v.evidence["throughput lost by syncing each token, tiny (gpu)"].value == pytest.approx(25.0)
+    _fake_records(monkeypatch, [("gpu", "cuda", "tiny", "sync", "tokens_per_s", 95.0),
+                                ("gpu", "cuda", "tiny", "async_eval", "tokens_per_s", 100.0),
+                                ("gpu", "cuda", "Llama-3.1-8B", "sync", "tokens_per_s", 60.0),
+                                ("gpu", "cuda", "Llama-3.1-8B", "async_eval", "tokens_per_s", 100.0)])
+    v = claims.check("C21", live=False)
+    assert v.status == "qualified" and "largest for Llama-3.1-8B" in v.summary and "40%" in v.summary
+    _fake_records(monkeypatch, [])
+    assert claims.check("C21", live=False).status == "not testable here"
+
+
+def test_c21_recorded_losses_are_one_minus_sync_over_async():
+    rec = claims.dispatch_records("dispatch-async")
+    v = claims.check("C21", live=False)
+    for (lab, model, var, metric), r in rec.items():
+        if var == "sync" and metric == "tokens_per_s":
+            loss = 100 * (1 - r["value"] / rec[lab, model, "async_eval", "tokens_per_s"]["value"])
+            assert v.evidence[f"throughput lost by syncing each token, {model} ({lab})"].value == pytest.approx(loss)
+
+
+def test_c01_gpu_stall_qualified_by_a_cpu_without_one(monkeypatch):
+    _fake_records(monkeypatch, [("gpu", "cuda", "tiny", "layer_eval", "slowdown", 0.2),
+                                ("gpu", "cuda", "tiny", "layer_eval", "extra_us_per_layer_eval", 45.0),
+                                ("gpu", "cuda", "Llama-3.1-8B", "layer_eval", "slowdown", 0.4)])
+    v = claims.check("C01", live=False)
+    assert v.status == "confirmed" and "20-40%" in v.summary
+    assert v.evidence["time added per extra sync, tiny (gpu)"].value == 45.0
+    assert v.evidence["ggml-metal: most command buffers per graph (GGML_METAL_MAX_COMMAND_BUFFERS)"].value == 8
+    _fake_records(monkeypatch, [("gpu", "cuda", "tiny", "layer_eval", "slowdown", 0.2),
+                                ("cpu", "cpu", "tiny", "layer_eval", "slowdown", -0.1)])
+    v = claims.check("C01", live=False)
+    assert v.status == "qualified" and "10-10% faster" in v.summary
+    _fake_records(monkeypatch, [("cpu", "cpu", "tiny", "layer_eval", "slowdown", -0.1)])
+    assert claims.check("C01", live=False).status == "not testable here"
+
+
+def test_kernel_floor_ignores_a_slow_first_size_and_finds_the_break_even():
+    # floor: median of 59.1, 49.7, 24.2, 25.8, 24.1, 24.2, 25.3 (sizes <= 4096) = 25.3 µs; 2 x 25.3 = 50.6:
+    # 64k (30.1) is under it, 1M (73.6) the first over; the 59.1 µs of one element is not a break-even
+    rows = [(1, 59.1), (4, 49.7), (16, 24.2), (64, 25.8), (256, 24.1), (1024, 24.2), (4096, 25.3),
+            (65536, 30.1), (1 << 20, 73.6), (1 << 22, 77.1)]
+    assert claims.kernel_floor(rows) == (pytest.approx(25.3), 1 << 20)
+    assert claims.kernel_floor([(1, 10.0), (1 << 20, 15.0)]) == (10.0, None)
+
+
+def test_c31_recorded_latencies_are_all_above_a_microsecond():
+    v = claims.check("C31", live=False)
+    per_op = [n.value for k, n in v.evidence.items() if "µs per op" in k]
+    if not per_op:
+        assert v.status == "not testable here"
+        return
+    assert v.status == "refuted" and min(per_op) > 1.0
+    assert all(n.value > 4096 for k, n in v.evidence.items() if k.startswith("break-even"))
