@@ -730,3 +730,141 @@ def test_interconnect_task_3_a_serial_sum_fails_when_overlapped_and_a_stub_says_
     def stub(*_):
         raise NotImplementedError
     assert "not written yet" in ex.check_streaming_tokens_per_s(stub).message
+
+
+# ---- Caching tasks (book/dispatch/caching-workspaces) ------------------------------------------------------
+
+def overhead_by_hand(first_ms, steady_ms, n):
+    return (first_ms - steady_ms) / n
+
+
+def test_caching_task_1_accepts_the_right_number_and_function():
+    # (6340 - 0.92) / 256 = 24.76 ms per token
+    assert ex.check_amortized_overhead(24.76)
+    assert ex.check_amortized_overhead(overhead_by_hand)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda f, s, n: f / n, "only first − steady"),
+    (lambda f, s, n: (f - s) / (n - 1), "the first one included"),
+    (lambda f, s, n: f - s, "whole pause"),
+    (lambda f, s, n: s + (f - s) / n, "mean time per token"),
+    (lambda f, s, n: (f - s) / n / 1e3, "not seconds"),
+    (lambda f, s, n: 100 * (f - s) / n / s, "percentage"),
+])
+def test_caching_task_1_rejects_typical_mistakes_with_their_hint(wrong, hint):
+    r = ex.check_amortized_overhead(wrong)
+    assert not r and hint in r.message, r.message
+
+
+def kv_by_hand_static(a, context, dtype_bytes):
+    return 2 * a.num_hidden_layers * a.num_key_value_heads * context * a.head_dim * dtype_bytes
+
+
+def test_caching_task_2_accepts_the_right_number_and_function():
+    # Llama-3.1-8B: 2 x 32 layers x 8 KV heads x 8192 x 128 x 2 bytes = 1 GiB
+    assert ex.check_static_kv_bytes(1_073_741_824)
+    assert ex.check_static_kv_bytes(kv_by_hand_static)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda a, c, b: kv_by_hand_static(a, c, b) // 2, "keys and values"),
+    (lambda a, c, b: kv_by_hand_static(a, c, b) // a.num_hidden_layers, "every layer"),
+    (lambda a, c, b: kv_by_hand_static(a, c, b) * a.num_attention_heads // a.num_key_value_heads, "grouped-query"),
+    (lambda a, c, b: 8 * kv_by_hand_static(a, c, b), "bits vs bytes"),
+    (lambda a, c, b: kv_by_hand_static(a, -(-c // 256) * 256, b), "chunked cache"),
+    (lambda a, c, b: kv_by_hand_static(a, c, 2), "not 2"),
+    (lambda a, c, b: float(kv_by_hand_static(a, c, b)) + 0.5, "whole number"),
+])
+def test_caching_task_2_rejects_typical_mistakes_with_their_hint(wrong, hint):
+    r = ex.check_static_kv_bytes(wrong)
+    assert not r and hint in r.message, r.message
+
+
+def test_caching_task_3_accepts_the_right_number_and_function():
+    assert ex.check_page_faults(16_384)                     # 64 MiB / 4 KiB
+    assert ex.check_page_faults(lambda n, p: (n + p - 1) // p)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda n, p: n // p, "round up"),
+    (lambda n, p: 8 * n // p, "bits vs bytes"),
+    (lambda n, p: -(-n // 4000), "not 4,000"),
+    (lambda n, p: -(-n // 4096), "16 KiB pages"),
+    (lambda n, p: 2 * -(-n // p), "one fault per page"),
+])
+def test_caching_task_3_rejects_typical_mistakes_with_their_hint(wrong, hint):
+    r = ex.check_page_faults(wrong)
+    assert not r and hint in r.message, r.message
+
+
+def test_caching_task_3_a_stub_says_not_written_yet():
+    def stub(*_):
+        raise NotImplementedError
+    assert "not written yet" in ex.check_page_faults(stub).message
+
+
+# Chapter "Time to first token and inter-token jitter": Jitter tasks 1-2 (`pytest -k jitter_task`) -----------
+
+def p99_by_hand(times):
+    itl = [1e3 * (b - a) for a, b in zip(times, times[1:])]
+    s = sorted(itl)
+    r = 0.99 * (len(s) - 1)                      # linear interpolation between closest ranks
+    lo = int(r)
+    return s[lo] + (r - lo) * (s[min(lo + 1, len(s) - 1)] - s[lo])
+
+
+def test_jitter_task_1_accepts_interpolated_and_nearest_rank():
+    import math
+    assert ex.check_p99_itl(p99_by_hand)
+    assert ex.check_p99_itl(lambda t: sorted(1e3 * (b - a) for a, b in zip(t, t[1:]))[math.ceil(0.99 * (len(t) - 1)) - 1])
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda t: p99_by_hand(t) / 1e3, "in seconds"),
+    (lambda t: 1e3 * sorted(t)[int(0.99 * len(t))], "timestamps"),
+    (lambda t: max(1e3 * (b - a) for a, b in zip(t, t[1:])), "maximum"),
+    (lambda t: sum(1e3 * (b - a) for a, b in zip(t, t[1:])) / (len(t) - 1), "mean"),
+    (lambda t: sorted(1e3 * (b - a) for a, b in zip(t, t[1:]))[int(0.99 * (len(t) - 1))], "off by one rank"),
+    (lambda t: sorted(1e3 * (b - a) for a, b in zip(t, t[1:]))[int(0.01 * (len(t) - 1))], "p1"),
+])
+def test_jitter_task_1_rejects_typical_mistakes_with_their_hint(wrong, hint):
+    r = ex.check_p99_itl(wrong)
+    assert not r and hint in r.message, r.message
+
+
+def test_jitter_task_1_stub_and_garbage():
+    def stub(_):
+        raise NotImplementedError
+    assert "not written yet" in ex.check_p99_itl(stub).message
+    assert "one number" in ex.check_p99_itl(lambda t: [1.0]).message
+
+
+def growth_by_hand(prompt_len, n_steps, step=256):
+    # the prefill's buffer holds the prompt rounded up to whole steps; it grows when a write falls past it
+    cap, out = -(-prompt_len // step) * step, []
+    for k in range(n_steps):
+        if prompt_len + k >= cap:
+            out.append(k)
+            cap += step
+    return out
+
+
+def test_jitter_task_2_accepts_the_rule_worked_by_hand():
+    assert growth_by_hand(32, 600) == [224, 480]
+    assert ex.check_growth_steps(growth_by_hand)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda p, n, s=256: list(range(s, n, s)), "prompt already filled"),
+    (lambda p, n, s=256: [k - 1 for k in growth_by_hand(p, n, s) if k >= 1], "off by one"),
+    (lambda p, n, s=256: [k + 1 for k in growth_by_hand(p, n, s)], "off by one"),
+    (lambda p, n, s=256: [k for k in growth_by_hand(p, n, s) if k > 0], "very first decode step"),
+])
+def test_jitter_task_2_rejects_typical_mistakes_with_their_hint(wrong, hint):
+    r = ex.check_growth_steps(wrong)
+    assert not r and hint in r.message, r.message
+
+
+def test_jitter_task_2_garbage():
+    assert "expected a list" in ex.check_growth_steps(lambda p, n, s=256: 3.5).message
