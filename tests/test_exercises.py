@@ -868,3 +868,70 @@ def test_jitter_task_2_rejects_typical_mistakes_with_their_hint(wrong, hint):
 
 def test_jitter_task_2_garbage():
     assert "expected a list" in ex.check_growth_steps(lambda p, n, s=256: 3.5).message
+
+
+# Chapter "Command buffers and sync bubbles": Dispatch tasks 1-2 (`pytest -k dispatch_task`) ----------------
+
+def double_buffer_by_hand(e, g, n, s, h):
+    return 1 / max(n * e + s + h, n * g)
+
+
+def test_dispatch_task_1_accepts_the_right_number_and_function():
+    # CPU: 300 x 4 + 30 + 80 = 1310 µs, GPU: 300 x 3 = 900 µs -> 1 / 1310 µs = 763.4 tokens/s
+    assert ex.check_double_buffer_tokens_per_s(1e6 / 1310)
+    assert ex.check_double_buffer_tokens_per_s(double_buffer_by_hand)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda e, g, n, s, h: 1 / (n * e + n * g + s + h), "synchronous queue"),
+    (lambda e, g, n, s, h: 1 / max(n * e, n * g), "CPU's side of the max"),
+    (lambda e, g, n, s, h: 1 / max(n * e + s + h, n * g + s + h), "n·g alone"),
+    (lambda e, g, n, s, h: 1 / max(e + s + h, g), "per kernel"),
+    (lambda e, g, n, s, h: 1 / min(n * e + s + h, n * g), "max, not min"),
+    (lambda e, g, n, s, h: max(n * e + s + h, n * g), "seconds per token"),
+    (lambda e, g, n, s, h: 1 / (n * e + s + h), "max, not min"),     # case 2 is GPU-bound: 1/CPU is the min's value
+    (lambda e, g, n, s, h: 1 / (n * g), "CPU is the slower one"),
+])
+def test_dispatch_task_1_rejects_typical_mistakes_with_their_hint(wrong, hint):
+    r = ex.check_double_buffer_tokens_per_s(wrong)
+    assert not r and hint in r.message, r.message
+
+
+def test_dispatch_task_1_stub_and_garbage():
+    def stub(*_):
+        raise NotImplementedError
+    assert "not written yet" in ex.check_double_buffer_tokens_per_s(stub).message
+    assert not ex.check_double_buffer_tokens_per_s("fast")
+
+
+def stops_by_hand(table, threshold):
+    rows = sorted(table, key=lambda r: r["params_b"])
+    gains = [r["async_tok_s"] / r["sync_tok_s"] - 1 for r in rows]
+    peak = gains.index(max(gains))
+    return next((r["model"] for r, x in zip(rows[peak + 1:], gains[peak + 1:]) if x < threshold), None)
+
+
+def test_dispatch_task_2_table_and_answer_by_hand():
+    table = ex.async_gain_table()
+    # Llama-3.1-8B: host 32 x 40 = 1280 µs + s 30 + h 100 = 1410 µs; GPU 16 GB / 1000 GB/s = 16 ms
+    # sync 1 / 17.41 ms = 57.44 tok/s, async 1 / 16 ms = 62.5 tok/s: gain 8.8%, under 10%; Llama-3.2-3B's is 19.5%
+    row = next(r for r in table if r["model"] == "Llama-3.1-8B")
+    assert row["sync_tok_s"] == pytest.approx(1 / 17.41e-3, abs=0.01) and row["async_tok_s"] == 62.5
+    assert stops_by_hand(table, 0.10) == "Llama-3.1-8B"
+    assert ex.check_async_stops_helping("Llama-3.1-8B")
+    assert ex.check_async_stops_helping(stops_by_hand)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda t, th: next((r["model"] for r in sorted(t, key=lambda r: r["params_b"])
+                         if r["async_tok_s"] / r["sync_tok_s"] - 1 < th), None), "smallest models gain little"),
+    (lambda t, th: max(t, key=lambda r: r["async_tok_s"] / r["sync_tok_s"])["model"], "helps most"),
+    (lambda t, th: stops_by_hand([r | {"async_tok_s": 1 / (2 - r["async_tok_s"] / r["sync_tok_s"]) * r["sync_tok_s"]}
+                                  for r in t], th), "not 1 − sync / async"),
+    (lambda t, th: (lambda names, a: names[names.index(a) - 1] if a else None)(
+        [r["model"] for r in sorted(t, key=lambda r: r["params_b"])], stops_by_hand(t, th)), "next larger one"),
+])
+def test_dispatch_task_2_rejects_typical_mistakes_with_their_hint(wrong, hint):
+    r = ex.check_async_stops_helping(wrong)
+    assert not r and hint in r.message, r.message
+    assert not ex.check_async_stops_helping("Llama-3.2-3B")
