@@ -1068,10 +1068,11 @@ def _double_buffer_case(e: float, g: float, n: int, s: float, h: float):
                                 "CPU's side of the max, with n·e."),
         (1 / max(cpu, gpu + s + h), "s and h are the CPU's: the GPU's side is n·g alone."),
         (1 / max(e + s + h, g), "e and g are per kernel: a token has n kernels, so n·e and n·g."),
-        (1 / min(cpu, gpu), "the slower side sets the pace: max, not min."),
         (max(cpu, gpu), "that is seconds per token; the answer is tokens per second."),
-        (1 / cpu, "that is the CPU's side alone: here the GPU is the slower one (n·g > n·e + s + h)."),
-        (1 / gpu, "that is the GPU's side alone: here the CPU is the slower one (n·e + s + h > n·g)."),
+        (1 / cpu, "that is the CPU's side alone (or the faster side): here the GPU is the slower one "
+                  "(n·g > n·e + s + h), and the slower side sets the pace: take the max."),
+        (1 / gpu, "that is the GPU's side alone (or the faster side): here the CPU is the slower one "
+                  "(n·e + s + h > n·g), and the slower side sets the pace: take the max."),
     ]
     label = f"e = {e * 1e6:g} µs, g = {g * 1e6:g} µs, n = {n}, s = {s * 1e6:g} µs, h = {h * 1e6:g} µs"
     return (e, g, n, s, h), label, right, mistakes
@@ -1086,7 +1087,7 @@ def check_double_buffer_tokens_per_s(answer, e: float = 4e-6, g: float = 3e-6, n
     (CPU-bound and GPU-bound). Checked against `dispatch.steady_period(..., policy="double_buffer")`.
     """
     cases = [_double_buffer_case(e, g, n, s, h), _double_buffer_case(2e-6, 20e-6, 400, 20e-6, 60e-6),
-             _double_buffer_case(5e-6, 5e-6, 120, 40e-6, 100e-6), _double_buffer_case(1e-6, 8e-6, 1000, 10e-6, 5e-6)]
+             _double_buffer_case(3e-6, 6e-6, 120, 40e-6, 100e-6), _double_buffer_case(1e-6, 8e-6, 1000, 10e-6, 5e-6)]
     return _check("Dispatch task 1", answer, cases, "tokens/s",
                   "the CPU spends n·e + s + h per token, the GPU n·g; with two tokens in flight they overlap, so "
                   "a token takes max(n·e + s + h, n·g) seconds: tokens/s is one over that.")
