@@ -1004,15 +1004,6 @@ def check_c01(live: bool) -> Verdict:
                    "stall to speak of", f"{_METAL_SOURCE}; results/ (dispatch-layer-eval: {', '.join(labels)})")
 
 
-def kernel_floor(rows: list[tuple[int, float]], small: int = 4096) -> tuple[float, int | None]:
-    """(launch floor, break-even size) from (elements, µs per op) rows: the floor is the median over sizes up to
-    `small`; break-even is the first larger size whose time is at least twice the floor (None if none is). Sizes
-    in the floor's range are not candidates: a slow first size there is noise, not work."""
-    rows = sorted(rows)
-    floor = float(np.median([t for n, t in rows if n <= small] or [rows[0][1]]))
-    return floor, next((n for n, t in rows if n > small and t >= 2 * floor), None)
-
-
 @functools.cache
 def measure_launch_floor() -> tuple[str, float]:
     """This machine's launch + sync floor through MLX: one add on 1 to 4096 float32 values, a second or less."""
@@ -1021,12 +1012,12 @@ def measure_launch_floor() -> tuple[str, float]:
     from . import latency
 
     rows = latency.kernel_latency(sizes=(1, 16, 256, 4096), chains=(1,), target_s=0.005, rounds=3, budget_s=1.0)
-    return str(mx.default_device()), kernel_floor([(r.elements, r.per_op_us) for r in rows])[0]
+    return str(mx.default_device()), latency.launch_floor([(r.elements, r.per_op_us) for r in rows])[0]
 
 
 def check_c31(live: bool) -> Verdict:
     """Kernel invocation latency from Python through MLX (recorded on the CPU and the H200), against 1 µs."""
-    from . import bench
+    from . import bench, latency
 
     per: dict[tuple[str, str], dict[int, float]] = {}
     backend = {}
@@ -1037,7 +1028,7 @@ def check_c31(live: bool) -> Verdict:
             backend[m["label"]] = m["backend"]
     ev, source = {}, []
     for (lab, var), d in sorted(per.items()):
-        floor, be = kernel_floor(list(d.items()))
+        floor, be = latency.launch_floor(list(d.items()))
         ev[f"µs per op, smallest sizes, {var} ({lab})"] = Number(floor, "µs")
         if be and var == "chain=1":
             ev[f"break-even size (work = launch), {var} ({lab})"] = Number(be, "elements")

@@ -282,17 +282,23 @@ def kernel_latency(sizes: Sequence[int] = tuple(4 ** k for k in range(13)), chai
     return out
 
 
+def launch_floor(points: Sequence[tuple[int, float]], small: int = 4096) -> tuple[float, int | None]:
+    """(launch floor, break-even size) from (elements, µs per op) points: the floor is the median over
+    sizes up to `small` elements, where the work is negligible on any device; break-even is the first
+    larger size whose time is at least twice the floor, where the work costs as much as the launch
+    (None if none is). Sizes in the floor's range are not candidates: a slow one there is noise."""
+    points = sorted(points)
+    floor = float(np.median([t for n, t in points if n <= small] or [points[0][1]]))
+    return floor, next((n for n, t in points if n > small and t >= 2 * floor), None)
+
+
 def break_even(results: Sequence[KernelLatency], chain: int = 1, compiled: bool = False) -> dict:
-    """The launch floor (median per-op µs over sizes up to 4096 elements, where the work is negligible
-    on any device) and the first size whose per-op time is at least twice it: there the work costs as
-    much as the launch. None if no size got there."""
-    rows = sorted((r for r in results if r.chain == chain and r.compiled == compiled), key=lambda r: r.elements)
+    """`launch_floor` of one chain length's measurements."""
+    rows = [(r.elements, r.per_op_us) for r in results if r.chain == chain and r.compiled == compiled]
     if not rows:
         raise ValueError(f"no results for chain={chain}, compiled={compiled}")
-    small = [r.per_op_us for r in rows if r.elements <= 4096] or [rows[0].per_op_us]
-    floor = float(np.median(small))
-    over = [r.elements for r in rows if r.per_op_us >= 2 * floor]
-    return {"launch_us": floor, "break_even_elements": over[0] if over else None}
+    floor, elements = launch_floor(rows)
+    return {"launch_us": floor, "break_even_elements": elements}
 
 
 # ---- static vs growing KV caches: jitter and memory (C02, C16) ---------------------------------------

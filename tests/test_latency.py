@@ -247,3 +247,12 @@ def test_bench_dispatch_refuses_bad_input(tmp_path, args, message):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0]
     assert not list(tmp_path.glob("*.json"))
+
+
+def test_launch_floor_ignores_a_slow_first_size_and_finds_the_break_even():
+    # floor: median of 59.1, 49.7, 24.2, 25.8, 24.1, 24.2, 25.3 (sizes <= 4096) = 25.3 µs; 2 x 25.3 = 50.6:
+    # 64k (30.1) is under it, 1M (73.6) the first over; the 59.1 µs of one element is not a break-even
+    rows = [(1, 59.1), (4, 49.7), (16, 24.2), (64, 25.8), (256, 24.1), (1024, 24.2), (4096, 25.3),
+            (65536, 30.1), (1 << 20, 73.6), (1 << 22, 77.1)]
+    assert latency.launch_floor(rows) == (pytest.approx(25.3), 1 << 20)
+    assert latency.launch_floor([(1, 10.0), (1 << 20, 15.0)]) == (10.0, None)
