@@ -1179,18 +1179,26 @@ def _first_call_facts() -> tuple[dict[str, Number], str | None, str | None, str]
     return ev, gpu, cpu, source
 
 
+def _gpu_first_tokens(ev: dict[str, Number], gpu: str) -> tuple[float, float, float, float]:
+    """On the recorded GPU, in ms: the first token of a fresh process, of a second process (kernel cache on
+    disk), of a second run in the fresh process, and a steady decode step."""
+    return tuple(ev[f"{k} ({gpu})"].value for k in (
+        "first token, fresh process, empty kernel cache", "first token, second process, kernel cache on disk",
+        "first token, second run of the fresh process", "steady decode step, median"))
+
+
+def _no_gpu_first_call(ev: dict[str, Number], source: str) -> Verdict:
+    return Verdict("not testable here", "Metal cannot run here and no GPU first-call results are recorded: "
+                   "run `python -m ref_impl bench --dispatch` on a GPU.", ev or {"recorded machines": Number(0, "machines")},
+                   "Metal-specific; the portable analog needs a GPU that compiles kernels at run time", source)
+
+
 def check_c28(live: bool) -> Verdict:
     """Run-time compilation at the first tokens, and an on-disk cache of the compiled kernels (MLX CUDA)."""
     ev, gpu, cpu, source = _first_call_facts()
     if gpu is None:
-        return Verdict("not testable here", "Metal cannot run here and no GPU first-call results are recorded: "
-                       "run `python -m ref_impl bench --dispatch` on a GPU.", ev or {"recorded machines": Number(0, "machines")},
-                       "Metal-specific; the portable analog needs a GPU that compiles kernels at run time", source)
-    g = lambda k: ev[f"{k} ({gpu})"].value  # noqa: E731
-    fresh, cached, rerun = (g(f"first token, {k}") for k in ("fresh process, empty kernel cache",
-                                                               "second process, kernel cache on disk",
-                                                               "second run of the fresh process"))
-    steady = g("steady decode step, median")
+        return _no_gpu_first_call(ev, source)
+    fresh, cached, rerun, steady = _gpu_first_tokens(ev, gpu)
     summary = (f"Run-time compilation does make the first tokens hitch, measured on the portable analog: on {gpu} "
                f"(MLX's CUDA backend, which compiles its kernels at first use) a fresh process's first token took "
                f"{fresh:,.0f} ms against {steady:.2f} ms per steady token; a second process that found the compiled "
@@ -1221,15 +1229,9 @@ def check_c09(live: bool) -> Verdict:
     """Pre-compiling (a warm-up before serving) and caching compiled kernels, on MLX CUDA."""
     ev, gpu, cpu, source = _first_call_facts()
     if gpu is None:
-        return Verdict("not testable here", "Metal cannot run here and no GPU first-call results are recorded: "
-                       "run `python -m ref_impl bench --dispatch` on a GPU.", ev or {"recorded machines": Number(0, "machines")},
-                       "Metal-specific; the portable analog needs a GPU that compiles kernels at run time", source)
-    g = lambda k: ev[f"{k} ({gpu})"].value  # noqa: E731
-    fresh, cached, rerun = (g(f"first token, {k}") for k in ("fresh process, empty kernel cache",
-                                                               "second process, kernel cache on disk",
-                                                               "second run of the fresh process"))
-    steady = g("steady decode step, median")
-    ratio = g("whole fresh process / whole second process")
+        return _no_gpu_first_call(ev, source)
+    fresh, cached, rerun, steady = _gpu_first_tokens(ev, gpu)
+    ratio = ev[f"whole fresh process / whole second process ({gpu})"].value
     summary = (f"On the portable analog the two halves do different jobs: on {gpu} (MLX CUDA) the first context "
                f"evaluation of a fresh process paused {fresh:,.0f} ms; caching the compiled kernels on disk cut it to "
                f"{cached:,.0f} ms in the next process (and that whole process ran {ratio:.0f}× faster), and running "

@@ -25,24 +25,22 @@ import mlx.core as mx
 class KVCache:
     """A pre-allocated float key/value cache for one attention layer."""
 
+    preallocate = True   # the growing caches below start empty instead
+
     def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_size: int,
                  dtype: mx.Dtype = mx.float32):
         if min(batch, n_kv_heads, head_dim, max_size) < 1:
             raise ValueError(f"KVCache sizes must be positive, got batch={batch}, "
                              f"n_kv_heads={n_kv_heads}, head_dim={head_dim}, max_size={max_size}")
-        shape = (batch, n_kv_heads, max_size, head_dim)
+        shape = (batch, n_kv_heads, max_size if self.preallocate else 0, head_dim)
         self.keys = mx.zeros(shape, dtype=dtype)
         self.values = mx.zeros(shape, dtype=dtype)
         self.max_size = max_size
         self.offset = 0
 
-    def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
-        """Store k, v (B, n_kv_heads, L, head_dim) at the next L slots; return the whole history.
-
-        The attention layer calls this once per forward: the returned arrays are
-        (B, n_kv_heads, offset + L, head_dim).
-        """
-        if k.shape != v.shape or k.shape[:2] != self.keys.shape[:2] or k.shape[3] != self.keys.shape[3]:
+    def _end(self, k: mx.array, v: mx.array) -> int:
+        """Check k, v (B, n_kv_heads, L, head_dim) against the cache; the offset after storing them."""
+        if k.shape != v.shape or k.ndim != 4 or k.shape[:2] != self.keys.shape[:2] or k.shape[3] != self.keys.shape[3]:
             raise ValueError(f"KVCache expects keys/values of shape (B, H, L, D) = "
                              f"{self.keys.shape[:2] + ('L',) + self.keys.shape[3:]}, "
                              f"got {k.shape} and {v.shape}")
@@ -50,6 +48,15 @@ class KVCache:
         if end > self.max_size:
             raise ValueError(f"KV cache full: {end} positions needed, {self.max_size} allocated "
                              "(raise max_size, or the model's context length is reached)")
+        return end
+
+    def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        """Store k, v (B, n_kv_heads, L, head_dim) at the next L slots; return the whole history.
+
+        The attention layer calls this once per forward: the returned arrays are
+        (B, n_kv_heads, offset + L, head_dim).
+        """
+        end = self._end(k, v)
         self.keys[:, :, self.offset:end, :] = k
         self.values[:, :, self.offset:end, :] = v
         self.offset = end
@@ -72,62 +79,28 @@ class KVCache:
         return self.keys.nbytes + self.values.nbytes
 
 
-def _check_kv(k: mx.array, v: mx.array, batch: int, n_kv_heads: int, head_dim: int) -> None:
-    if k.shape != v.shape or k.ndim != 4 or k.shape[:2] != (batch, n_kv_heads) or k.shape[3] != head_dim:
-        raise ValueError(f"KVCache expects keys/values of shape (B, H, L, D) = "
-                         f"{(batch, n_kv_heads, 'L', head_dim)}, got {k.shape} and {v.shape}")
-
-
-class ConcatKVCache:
+class ConcatKVCache(KVCache):
     """A cache that grows by concatenation: every forward allocates a new history one step longer
     and copies the old one into it. Same interface as KVCache; max_size only caps the length."""
 
-    def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_size: int,
-                 dtype: mx.Dtype = mx.float32):
-        if min(batch, n_kv_heads, head_dim, max_size) < 1:
-            raise ValueError(f"KVCache sizes must be positive, got batch={batch}, "
-                             f"n_kv_heads={n_kv_heads}, head_dim={head_dim}, max_size={max_size}")
-        self.batch, self.n_kv_heads, self.head_dim = batch, n_kv_heads, head_dim
-        self.max_size, self.dtype = max_size, dtype
-        self.keys = self.values = None     # (B, n_kv_heads, offset, head_dim) once written
-        self.offset = 0
+    preallocate = False
 
     def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
-        """Append k, v (B, n_kv_heads, L, head_dim); return the whole history, a fresh array."""
-        _check_kv(k, v, self.batch, self.n_kv_heads, self.head_dim)
-        end = self.offset + k.shape[2]
-        if end > self.max_size:
-            raise ValueError(f"KV cache full: {end} positions needed, {self.max_size} allowed")
-        k, v = k.astype(self.dtype), v.astype(self.dtype)
-        if self.offset == 0:
-            self.keys, self.values = k, v
-        else:  # after a trim the stored arrays are longer than offset: drop the forgotten tail
-            self.keys = mx.concatenate([self.keys[:, :, :self.offset, :], k], axis=2)
-            self.values = mx.concatenate([self.values[:, :, :self.offset, :], v], axis=2)
+        """Append k, v (B, n_kv_heads, L, head_dim); return the whole history, a fresh array
+        (after a trim, the forgotten tail is dropped)."""
+        end = self._end(k, v)
+        self.keys = mx.concatenate([self.keys[:, :, :self.offset, :], k.astype(self.keys.dtype)], axis=2)
+        self.values = mx.concatenate([self.values[:, :, :self.offset, :], v.astype(self.values.dtype)], axis=2)
         self.offset = end
         return self.keys, self.values
 
-    def trim(self, n: int) -> int:
-        n = max(0, min(self.offset, n))
-        self.offset -= n
-        return n
 
-    @property
-    def state(self) -> tuple[mx.array, mx.array]:
-        if self.keys is None:
-            empty = mx.zeros((self.batch, self.n_kv_heads, 0, self.head_dim), dtype=self.dtype)
-            return empty, empty
-        return self.keys[:, :, :self.offset, :], self.values[:, :, :self.offset, :]
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
-
-
-class ChunkedKVCache(ConcatKVCache):
+class ChunkedKVCache(KVCache):
     """A cache that grows `step` positions at a time (mlx-lm's KVCache policy): writes land in
     free slots of the current buffer; when a forward does not fit, a zeroed chunk of whole steps
     is concatenated on, so every `step`-th token pays one allocation and a copy of the history."""
+
+    preallocate = False
 
     def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_size: int,
                  dtype: mx.Dtype = mx.float32, step: int = 256):
@@ -139,24 +112,13 @@ class ChunkedKVCache(ConcatKVCache):
     def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Store k, v (B, n_kv_heads, L, head_dim) at the next L slots, growing first if they do
         not fit; return the filled part, (B, n_kv_heads, offset + L, head_dim)."""
-        _check_kv(k, v, self.batch, self.n_kv_heads, self.head_dim)
-        L = k.shape[2]
-        end = self.offset + L
-        if end > self.max_size:
-            raise ValueError(f"KV cache full: {end} positions needed, {self.max_size} allowed")
-        if self.keys is None or end > self.keys.shape[2]:
-            grow = -(-L // self.step) * self.step           # whole steps covering the new positions
-            shape = (self.batch, self.n_kv_heads, grow, self.head_dim)
-            new_k, new_v = mx.zeros(shape, dtype=self.dtype), mx.zeros(shape, dtype=self.dtype)
-            if self.keys is None:
-                self.keys, self.values = new_k, new_v
-            else:  # the filled part, then the new chunk: one copy of the history
-                self.keys = mx.concatenate([self.keys[:, :, :self.offset, :], new_k], axis=2)
-                self.values = mx.concatenate([self.values[:, :, :self.offset, :], new_v], axis=2)
-        self.keys[:, :, self.offset:end, :] = k
-        self.values[:, :, self.offset:end, :] = v
-        self.offset = end
-        return self.keys[:, :, :end, :], self.values[:, :, :end, :]
+        end = self._end(k, v)
+        if end > self.keys.shape[2]:   # the filled part, then a new chunk: one copy of the history
+            b, h, _, d = self.keys.shape
+            chunk = mx.zeros((b, h, -(-k.shape[2] // self.step) * self.step, d), dtype=self.keys.dtype)
+            self.keys = mx.concatenate([self.keys[:, :, :self.offset, :], chunk], axis=2)
+            self.values = mx.concatenate([self.values[:, :, :self.offset, :], chunk], axis=2)
+        return super().update_and_fetch(k, v)
 
 
 CACHES = {"static": KVCache, "chunked": ChunkedKVCache, "concat": ConcatKVCache}
