@@ -1,0 +1,218 @@
+"""Speculative decoding: a small draft model proposes, the target model verifies.
+
+Decode is bandwidth-bound: one target forward over γ+1 positions costs about as much as one
+over a single position, because every weight is read once either way. So a cheap draft model
+proposes γ tokens one at a time, the target scores all of them in one forward, and an
+acceptance rule keeps a prefix of the proposals plus one token of the target's own. Each
+target forward then yields between 1 and γ+1 tokens.
+
+The rule (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding";
+Chen et al. 2023, "Accelerating LLM Decoding with Speculative Sampling") keeps the target's
+output distribution *exactly*: accept draft token x with probability min(1, p(x)/q(x)), where
+p and q are the target's and the draft's sampling distributions at that position; at the first
+rejection, draw from the residual max(0, p - q) normalized; if all γ are accepted, draw a bonus
+token from the target's distribution after the last draft. With temperature 0 it reduces to
+the greedy rule: accept while the draft equals the target's argmax (`accept_greedy`).
+
+Rejected drafts are forgotten by trimming the KV caches (`KVCache.trim`), never by copying
+them. Between steps both caches hold the same tokens: the prompt and every emitted token
+except the last one, which the next step feeds first.
+
+See chapter: speculative-decoding
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from .generate import Sampler, decode_one_token, prefill
+from .kvcache import KVCache
+from .model import Model
+
+
+def sampling_probs(sampler: Sampler, logits: mx.array) -> mx.array:
+    """The distribution `sampler` draws from, as probabilities: logits (..., V) -> (..., V).
+
+    The same cuts as Sampler.__call__ (temperature, then top-k and top-p by rank, ties broken by
+    argsort's order); with temperature 0, a one-hot vector at the argmax.
+    """
+    if sampler.temperature == 0:
+        return (mx.arange(logits.shape[-1]) == mx.argmax(logits, axis=-1, keepdims=True)).astype(mx.float32)
+    logits = logits.astype(mx.float32) / sampler.temperature
+    if sampler.top_k == 0 and sampler.top_p == 1.0:
+        return mx.softmax(logits, axis=-1)
+    order = mx.argsort(-logits, axis=-1)                         # most likely first
+    ranked = mx.take_along_axis(logits, order, axis=-1)
+    keep = mx.ones(ranked.shape, dtype=mx.bool_)
+    if sampler.top_k:
+        keep = keep & (mx.arange(ranked.shape[-1]) < sampler.top_k)
+    if sampler.top_p < 1.0:
+        probs = mx.softmax(ranked, axis=-1)
+        keep = keep & (mx.cumsum(probs, axis=-1) - probs < sampler.top_p)
+    ranked_probs = mx.softmax(mx.where(keep, ranked, -mx.inf), axis=-1)
+    return mx.take_along_axis(ranked_probs, mx.argsort(order, axis=-1), axis=-1)  # back to vocab order
+
+
+def _sample_inverse_cdf(weights: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """One index per row of non-negative weights (..., V), chosen by uniforms u (...) in [0, 1)."""
+    cdf = np.cumsum(weights, axis=-1)
+    idx = np.sum(cdf <= (u * cdf[..., -1])[..., None], axis=-1)
+    last = weights.shape[-1] - 1 - np.argmax(weights[..., ::-1] > 0, axis=-1)   # last index with mass
+    return np.minimum(idx, last)
+
+
+def accept(p: np.ndarray, q: np.ndarray, drafts: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The rejection-sampling rule: how many drafts to keep, and the token that follows them.
+
+    Args:
+        p: target probabilities (..., γ+1, V): after the last emitted token and after each draft.
+        q: draft probabilities (..., γ, V), the distributions the drafts were drawn from.
+        drafts: the proposed tokens (..., γ).
+        u: uniforms in [0, 1), (..., γ+1): u[i] decides draft i, u[γ] draws the final token.
+
+    Returns:
+        (n, token), each (...): drafts[:n] are accepted and `token` comes next, drawn from the
+        residual max(0, p - q) at position n, or from p[γ] (the bonus) when n == γ.
+    Leading dimensions are independent trials, so the rule can be tested on many at once.
+    """
+    gamma = drafts.shape[-1]
+    p_x = np.take_along_axis(p[..., :gamma, :], drafts[..., None], axis=-1)[..., 0]   # p(x_i)
+    q_x = np.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]                   # q(x_i) > 0
+    # accept x_i with probability min(1, p/q): u < p/q, written without dividing by q
+    ok = u[..., :gamma] * q_x < p_x
+    # n = the number of leading acceptances (the first False, with a False appended after γ)
+    n = np.argmin(np.concatenate([ok, np.zeros(ok.shape[:-1] + (1,), dtype=bool)], axis=-1), axis=-1)
+    # the residual at position n; a zero row of q after the drafts makes it p[γ] when n == γ
+    q_pad = np.concatenate([q, np.zeros_like(q[..., :1, :])], axis=-2)
+    p_n = np.take_along_axis(p, n[..., None, None], axis=-2)[..., 0, :]
+    q_n = np.take_along_axis(q_pad, n[..., None, None], axis=-2)[..., 0, :]
+    residual = np.maximum(p_n - q_n, 0.0)
+    # a rejection has probability 0 when p == q, but rounding can still land there: fall back to p
+    residual = np.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p_n)
+    return n, _sample_inverse_cdf(residual, u[..., gamma])
+
+
+def accept_greedy(target_tokens: np.ndarray, drafts: np.ndarray) -> tuple[int, int]:
+    """The greedy rule: keep drafts while they equal the target's argmax; then the target's token.
+
+    target_tokens (γ+1,) are the target's argmax after the last emitted token and after each draft.
+    """
+    n = 0
+    while n < len(drafts) and drafts[n] == target_tokens[n]:
+        n += 1
+    return n, int(target_tokens[n])
+
+
+def rewind(cache: list[KVCache], n: int) -> None:
+    """Forget the last n positions of every layer's cache."""
+    for layer_cache in cache:
+        layer_cache.trim(n)
+
+
+def draft_tokens(draft: Model, y: mx.array, cache: list[KVCache], gamma: int,
+                 sampler: Sampler) -> tuple[mx.array, mx.array]:
+    """Propose γ tokens after y (1,): the tokens (γ,) and the distributions they came from (γ, V).
+
+    Feeds y and the first γ-1 proposals, so the draft cache grows by γ. Nothing is evaluated here.
+    """
+    tokens, qs = [], []
+    for _ in range(gamma):
+        logits = decode_one_token(draft, y, cache)       # (1, V)
+        qs.append(sampling_probs(sampler, logits))
+        y = sampler(logits)                               # a draw from exactly that distribution
+        tokens.append(y)
+    return mx.concatenate(tokens), mx.concatenate(qs)
+
+
+def speculative_step(target: Model, draft: Model, target_cache: list[KVCache], draft_cache: list[KVCache],
+                     y: mx.array, gamma: int, sampler: Sampler,
+                     rng: np.random.Generator) -> tuple[list[int], int]:
+    """One draft-then-verify step after the last emitted token y (1,), which neither cache holds yet.
+
+    Returns the emitted tokens (the accepted drafts, then one target token) and the number of
+    drafts accepted. Afterwards both caches hold y and the accepted drafts.
+    """
+    drafts, q = draft_tokens(draft, y, draft_cache, gamma, sampler)
+    logits = target(mx.concatenate([y, drafts])[None], target_cache)[0]     # (γ+1, V) in one forward
+    if sampler.temperature == 0:
+        n, token = accept_greedy(np.array(mx.argmax(logits, axis=-1)), np.array(drafts))
+    else:
+        p = sampling_probs(sampler, logits)
+        mx.eval(p, q, drafts)
+        n, token = accept(np.array(p).astype(np.float64), np.array(q).astype(np.float64),
+                          np.array(drafts), rng.random(gamma + 1))
+        n, token = int(n), int(token)
+    rewind(target_cache, gamma - n)             # keep y and the n accepted drafts
+    if n == gamma:
+        decode_one_token(draft, drafts[-1:], draft_cache)   # the draft never fed its last proposal
+    else:
+        rewind(draft_cache, gamma - n - 1)
+    return np.array(drafts[:n]).tolist() + [token], n
+
+
+@dataclass
+class SpeculativeStep:
+    """What one step emitted, and how many drafts it proposed and accepted (α = accepted / proposed)."""
+    tokens: list[int]
+    proposed: int
+    accepted: int
+
+
+def speculative_generate(target: Model, draft: Model, prompt: list[int], sampler: Sampler,
+                         target_cache: list[KVCache], draft_cache: list[KVCache], gamma: int = 4,
+                         rng: np.random.Generator | None = None) -> Iterator[SpeculativeStep]:
+    """Yield one SpeculativeStep per target forward, forever; the caller stops it.
+
+    Args:
+        target, draft: two models with the same tokenizer.
+        prompt: token ids (at least one).
+        sampler: the sampling settings; both models sample with them. Its seed also seeds
+            the acceptance draws unless rng is given.
+        target_cache, draft_cache: empty caches; each step may write γ+1 positions past
+            the tokens emitted so far before trimming back.
+        gamma: drafts proposed per step.
+
+    The first step is the prefill's token (proposed 0). The emitted tokens are distributed as
+    plain decoding of `target` with `sampler`, and with temperature 0 they are exactly its tokens.
+    """
+    if not prompt:
+        raise ValueError("the prompt is empty: give at least one token (e.g. BOS)")
+    if gamma < 1:
+        raise ValueError(f"gamma must be at least 1, got {gamma}")
+    rng = rng if rng is not None else np.random.default_rng(sampler.seed)
+    tokens = mx.array([prompt])
+    y = sampler(prefill(target, tokens, target_cache))
+    prefill(draft, tokens, draft_cache)
+    yield SpeculativeStep([y.item()], 0, 0)
+    while True:
+        emitted, n = speculative_step(target, draft, target_cache, draft_cache, y, gamma, sampler, rng)
+        yield SpeculativeStep(emitted, gamma, n)
+        y = mx.array(emitted[-1:])
+
+
+def speculative_decode(target: Model, draft: Model, prompt: list[int], max_tokens: int, gamma: int = 4,
+                       sampler: Sampler | None = None) -> tuple[list[int], list[SpeculativeStep]]:
+    """Generate max_tokens tokens after the prompt speculatively; return them and the steps."""
+    context = min(target.args.max_position_embeddings, draft.args.max_position_embeddings)
+    size = len(prompt) + max_tokens + gamma       # the last step may write γ+1 positions, then trim
+    if size > context:
+        raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) + gamma ({gamma}) "
+                         f"exceeds the models' context length ({context})")
+    steps, tokens = [], []
+    for step in speculative_generate(target, draft, prompt, sampler or Sampler(),
+                                     target.make_cache(size), draft.make_cache(size), gamma):
+        steps.append(step)
+        tokens += step.tokens
+        if len(tokens) >= max_tokens:
+            break
+    return tokens[:max_tokens], steps
+
+
+def acceptance_rate(steps: list[SpeculativeStep]) -> float:
+    """α: the fraction of proposed drafts that were accepted."""
+    proposed = sum(s.proposed for s in steps)
+    return sum(s.accepted for s in steps) / proposed if proposed else float("nan")
