@@ -1,0 +1,343 @@
+"""Quantized key/value caches: the decoder's static cache, stored in fewer bits.
+
+Every cache here is a drop-in for `kvcache.KVCache`: pre-allocated packed buffers (codes plus
+scales and, for affine formats, biases) sized for `max_size` positions, written in place by
+`update_and_fetch`, with the same `offset`, `trim(n)`, `state` and `nbytes`. Four schemes:
+
+* `SymmetricKVCache`: per-token symmetric int8/int4 for K and V alike (the uniform baseline);
+  scale = max|x| / (2^(b-1) - 1) per (token, head), |error| <= scale / 2.
+* `AffineKVCache`: per-token groups of `group` channels through MLX's `mx.quantize` (affine),
+  K and V alike: what mlx-lm's `QuantizedKVCache` stores.
+* `KIVIKVCache`: asymmetric, after KIVI (Liu et al. 2024, arXiv:2402.02750): keys per channel
+  over blocks of `group` tokens, values per token, with the newest `window` tokens in float.
+* `OutlierKVCache`: after KVQuant's dense-and-sparse keys (Hooper et al. 2024, arXiv:2401.18079):
+  `n_outliers` key channels per KV head, picked by `calibrate`, kept in float16; the other key
+  channels and all values are 4-bit affine groups.
+
+Attention path: `update_and_fetch` returns the *dequantized* float keys and values of the filled
+part, so `model.Attention` still calls `mx.fast.scaled_dot_product_attention` unchanged. This is
+the simplest correct drop-in; it re-expands the whole history every step, so it saves memory, not
+bandwidth. A fused path (`mx.quantized_matmul` for q.K^T and p.V on the packed affine codes, as
+mlx-lm's `quantized_scaled_dot_product_attention`) needs the attention code to know the cache
+format, which model.py must not, and is later work.
+
+MLX's affine rule (mx.quantize) is not plain min/max: it snaps the group's edge of larger
+magnitude to an exact code and rescales so that zero is a code, which can shorten the grid at
+the far end. Its worst-case error is therefore (max - min) / 2^b per group, not the half step
+(max - min) / (2 (2^b - 1)) of textbook affine quantization (tests/test_kvquant.py checks it).
+
+Shapes: keys and values are (B, n_kv_heads, L, head_dim). Scales and biases are stored in the
+cache dtype (float16 on a GPU, float32 on the CPU), as mlx-lm does.
+
+See chapter: kv-cache
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import mlx.core as mx
+
+from .kvcache import KVCache
+
+
+# --- symmetric per-token codes: int8, or two 4-bit codes per byte -----------------------------
+
+def quantize_symmetric(x: mx.array, bits: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    """x (..., D) -> packed codes (..., D * bits / 8) uint8/int8 and scales (..., 1) in dtype."""
+    qmax = 2 ** (bits - 1) - 1
+    scale = (mx.abs(x).max(axis=-1, keepdims=True).astype(mx.float32) / qmax).astype(dtype)
+    safe = mx.where(scale == 0, 1, scale).astype(mx.float32)   # an all-zero row gets codes 0
+    q = mx.clip(mx.round(x.astype(mx.float32) / safe), -qmax, qmax).astype(mx.int8)
+    if bits == 8:
+        return q, scale
+    u = (q + 8).astype(mx.uint8)                      # [-7, 7] -> [1, 15]: one nibble
+    return u[..., 0::2] | (u[..., 1::2] << 4), scale  # even channel in the low nibble
+
+
+def dequantize_symmetric(codes: mx.array, scale: mx.array, bits: int) -> mx.array:
+    """The inverse of quantize_symmetric: codes * scale, in the scale's dtype."""
+    if bits == 8:
+        return codes.astype(scale.dtype) * scale
+    lo, hi = (codes & 15).astype(mx.int8) - 8, (codes >> 4).astype(mx.int8) - 8
+    q = mx.stack([lo, hi], axis=-1).reshape(*codes.shape[:-1], -1)   # (..., D)
+    return q.astype(scale.dtype) * scale
+
+
+def _zeros(shape, dtype):
+    return mx.zeros(shape, dtype=dtype)
+
+
+def _affine_buffers(lead: tuple, width: int, bits: int, group: int, dtype: mx.Dtype) -> list[mx.array]:
+    """Empty (codes, scales, biases) for mx.quantize output over rows of `width` values."""
+    return [_zeros(lead + (width * bits // 32,), mx.uint32),
+            _zeros(lead + (width // group,), dtype), _zeros(lead + (width // group,), dtype)]
+
+
+def _dequantize(codes: mx.array, scales: mx.array, biases: mx.array, group: int, bits: int) -> mx.array:
+    """mx.dequantize, also for zero rows (an empty cache part), in the scales' dtype."""
+    if codes.size == 0:
+        return _zeros(codes.shape[:-1] + (codes.shape[-1] * 32 // bits,), scales.dtype)
+    return mx.dequantize(codes, scales, biases, group_size=group, bits=bits)
+
+
+def _check_affine(bits: int, group: int, width: int, what: str):
+    if bits not in (2, 3, 4, 5, 6, 8) or group not in (32, 64, 128) or width % group:
+        raise ValueError(f"mx.quantize needs bits in 2..8, group 32/64/128 dividing {what} ({width}); "
+                         f"got bits={bits}, group={group}")
+
+
+class SymmetricKVCache(KVCache):
+    """Per-token symmetric int8 or int4 keys and values (one scale per token and head)."""
+
+    preallocate = False   # KVCache's float buffers stay empty (B, H, 0, D): only the shape check uses them
+
+    def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_size: int,
+                 dtype: mx.Dtype = mx.float32, bits: int = 8):
+        super().__init__(batch, n_kv_heads, head_dim, max_size, dtype)
+        if bits not in (4, 8) or head_dim % 2:
+            raise ValueError(f"symmetric caches store 8 or 4 bits (even head_dim); got bits={bits}")
+        self.bits, self.dtype = bits, dtype
+        lead = (batch, n_kv_heads, max_size)
+        code = mx.int8 if bits == 8 else mx.uint8
+        self.k_codes, self.v_codes = (_zeros(lead + (head_dim * bits // 8,), code) for _ in range(2))
+        self.k_scales, self.v_scales = (_zeros(lead + (1,), dtype) for _ in range(2))
+
+    def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        """Quantize k, v (B, H, L, D) into the next L slots; return the dequantized history."""
+        end = self._end(k, v)
+        for x, codes, scales in ((k, self.k_codes, self.k_scales), (v, self.v_codes, self.v_scales)):
+            q, s = quantize_symmetric(x, self.bits, self.dtype)
+            codes[:, :, self.offset:end, :] = q
+            scales[:, :, self.offset:end, :] = s
+        self.offset = end
+        return self.state
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array]:
+        """The dequantized filled part: (keys, values), each (B, H, offset, D)."""
+        n = self.offset
+        return (dequantize_symmetric(self.k_codes[:, :, :n], self.k_scales[:, :, :n], self.bits),
+                dequantize_symmetric(self.v_codes[:, :, :n], self.v_scales[:, :, :n], self.bits))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.k_codes, self.v_codes, self.k_scales, self.v_scales))
+
+
+class AffineKVCache(KVCache):
+    """Per-token affine groups of `group` channels (mx.quantize), keys and values alike."""
+
+    preallocate = False   # KVCache's float buffers stay empty (B, H, 0, D): only the shape check uses them
+
+    def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_size: int,
+                 dtype: mx.Dtype = mx.float32, bits: int = 8, group: int = 64):
+        super().__init__(batch, n_kv_heads, head_dim, max_size, dtype)
+        _check_affine(bits, group, head_dim, "head_dim")
+        self.bits, self.group, self.dtype = bits, group, dtype
+        lead = (batch, n_kv_heads, max_size)
+        self.k_quant = _affine_buffers(lead, head_dim, bits, group, dtype)   # codes, scales, biases
+        self.v_quant = _affine_buffers(lead, head_dim, bits, group, dtype)
+
+    def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        """Quantize k, v (B, H, L, D) into the next L slots; return the dequantized history."""
+        end = self._end(k, v)
+        for x, bufs in ((k, self.k_quant), (v, self.v_quant)):
+            for buf, part in zip(bufs, mx.quantize(x.astype(self.dtype), self.group, self.bits)):
+                buf[:, :, self.offset:end, :] = part
+        self.offset = end
+        return self.state
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array]:
+        """The dequantized filled part: (keys, values), each (B, H, offset, D)."""
+        n = self.offset
+        return tuple(_dequantize(*(b[:, :, :n] for b in bufs), self.group, self.bits)
+                     for bufs in (self.k_quant, self.v_quant))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.k_quant + self.v_quant)
+
+
+class KIVIKVCache(KVCache):
+    """KIVI: keys per channel over blocks of `group` tokens, values per token, recent tokens in float.
+
+    The rule, with n = offset, G = group, R = window:
+      keys   0 .. qk-1 quantized, qk = G * floor(max(n - R, 0) / G): a block of G tokens is
+             quantized per channel (one scale and bias per channel and block) once all of it
+             is at least R tokens old; the rest (the partial block and the window, < R + G
+             tokens) stays in float;
+      values 0 .. qv-1 quantized per token (groups of G channels), qv = max(n - R, 0); the
+             last R tokens stay in float.
+    Trimming into the quantized part keeps the quantized values quantized; the key block the new
+    end falls into is dequantized back into the float window (keys that are then re-quantized
+    with a later block pick up a second rounding). `state` is unchanged by the trim but for its end.
+    """
+
+    preallocate = False   # KVCache's float buffers stay empty (B, H, 0, D): only the shape check uses them
+
+    def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_size: int,
+                 dtype: mx.Dtype = mx.float32, bits: int = 4, group: int = 32, window: int = 32):
+        super().__init__(batch, n_kv_heads, head_dim, max_size, dtype)
+        _check_affine(bits, group, head_dim, "head_dim")
+        if window < 0:
+            raise ValueError(f"window must be >= 0, got {window}")
+        self.bits, self.group, self.window, self.dtype = bits, group, window, dtype
+        B, H, D = batch, n_kv_heads, head_dim
+        # keys: (B, H, block, D, G) per-channel rows, quantized along their G tokens
+        self.k_quant = _affine_buffers((B, H, max_size // group, D), group, bits, group, dtype)
+        self.v_quant = _affine_buffers((B, H, max_size), D, bits, group, dtype)
+        self.k_float = _zeros((B, H, window + group, D), dtype)   # positions qk .. offset-1
+        self.v_float = _zeros((B, H, window, D), dtype)           # positions qv .. offset-1
+        self.qk = self.qv = 0
+
+    def _quantize_keys(self, x: mx.array, start: int):
+        """Quantize whole blocks x (B, H, nG, D) per channel into blocks start/G onward."""
+        B, H, L, D = x.shape
+        G = self.group
+        rows = x.reshape(B, H, L // G, G, D).transpose(0, 1, 2, 4, 3)   # (B, H, blocks, D, G)
+        for buf, part in zip(self.k_quant, mx.quantize(rows.astype(self.dtype), G, self.bits)):
+            buf[:, :, start // G:(start + L) // G] = part
+
+    def _dequantize_keys(self, n: int) -> mx.array:
+        """Keys 0 .. n-1 (n a multiple of group) back as (B, H, n, D)."""
+        rows = _dequantize(*(b[:, :, :n // self.group] for b in self.k_quant), self.group, self.bits)
+        # rows: (B, H, blocks, D, G)
+        B, H, _, D, _ = rows.shape
+        return rows.transpose(0, 1, 2, 4, 3).reshape(B, H, n, D)
+
+    def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        """Store k, v (B, H, L, D); quantize what left the float window; return the dequantized history."""
+        end = self._end(k, v)
+        G, R = self.group, self.window
+        fk = mx.concatenate([self.k_float[:, :, :self.offset - self.qk], k.astype(self.dtype)], axis=2)
+        fv = mx.concatenate([self.v_float[:, :, :self.offset - self.qv], v.astype(self.dtype)], axis=2)
+        qk = max(G * (max(end - R, 0) // G), self.qk)
+        if qk > self.qk:
+            self._quantize_keys(fk[:, :, :qk - self.qk], self.qk)
+        qv = max(end - R, self.qv)
+        if qv > self.qv:
+            for buf, part in zip(self.v_quant, mx.quantize(fv[:, :, :qv - self.qv], G, self.bits)):
+                buf[:, :, self.qv:qv] = part
+        if end > qk:
+            self.k_float[:, :, :end - qk] = fk[:, :, qk - self.qk:]
+        if end > qv:
+            self.v_float[:, :, :end - qv] = fv[:, :, qv - self.qv:]
+        self.qk, self.qv, self.offset = qk, qv, end
+        return self.state
+
+    def trim(self, n: int) -> int:
+        """Forget the last n positions (see the class docstring for trims into the quantized part)."""
+        n = max(0, min(self.offset, n))
+        end = self.offset - n
+        if end < self.qk:   # dequantize the block the new end falls in back into the float window
+            qk = self.group * (end // self.group)
+            self.k_float[:, :, :end - qk] = self._dequantize_keys(qk + self.group)[:, :, qk:end]
+            self.qk = qk
+        self.qv = min(self.qv, end)
+        self.offset = end
+        return n
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array]:
+        """The dequantized filled part: (keys, values), each (B, H, offset, D)."""
+        n = self.offset
+        keys = mx.concatenate([self._dequantize_keys(self.qk), self.k_float[:, :, :n - self.qk]], axis=2)
+        vq = _dequantize(*(b[:, :, :self.qv] for b in self.v_quant), self.group, self.bits)
+        return keys, mx.concatenate([vq, self.v_float[:, :, :n - self.qv]], axis=2)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.k_quant + self.v_quant + [self.k_float, self.v_float])
+
+
+class OutlierKVCache(KVCache):
+    """Keys: `n_outliers` channels per KV head in float16, the rest `bits`-bit affine per token;
+    values: `bits`-bit affine per token. Both in groups of `group` channels.
+
+    The outlier channels are the n_outliers largest max|k| channels of each head in the keys given
+    to `calibrate`; if it was not called, the first `update_and_fetch` (the prompt's prefill)
+    calibrates on its own keys. The dense codes keep a slot for each outlier channel, set to 0
+    before quantizing, so the group layout stays mx.quantize's. Float16, not 8-bit float: MLX's
+    `mx.to_fp8` (e4m3) saturates at 448 and keeps 3 mantissa bits, poor for the largest channels.
+    """
+
+    preallocate = False   # KVCache's float buffers stay empty (B, H, 0, D): only the shape check uses them
+
+    def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_size: int,
+                 dtype: mx.Dtype = mx.float32, bits: int = 4, group: int = 32, n_outliers: int = 4):
+        super().__init__(batch, n_kv_heads, head_dim, max_size, dtype)
+        _check_affine(bits, group, head_dim, "head_dim")
+        if not 0 < n_outliers < head_dim:
+            raise ValueError(f"n_outliers must be in 1..head_dim-1, got {n_outliers}")
+        self.bits, self.group, self.n_outliers, self.dtype = bits, group, n_outliers, dtype
+        lead = (batch, n_kv_heads, max_size)
+        self.k_quant = _affine_buffers(lead, head_dim, bits, group, dtype)
+        self.v_quant = _affine_buffers(lead, head_dim, bits, group, dtype)
+        self.k_outliers = _zeros(lead + (n_outliers,), mx.float16)
+        self.channels = _zeros((n_kv_heads, n_outliers), mx.int32)   # per head, ascending
+        self.calibrated = False
+
+    def calibrate(self, keys: mx.array):
+        """Pick each head's n_outliers channels of largest max|k| over keys (B, H, L, D)."""
+        magnitude = mx.abs(keys.astype(mx.float32)).max(axis=(0, 2))   # (H, D)
+        top = mx.argsort(-magnitude, axis=-1)[:, :self.n_outliers]
+        self.channels = mx.sort(top, axis=-1).astype(mx.int32)
+        self.calibrated = True
+
+    def _index(self, x: mx.array) -> mx.array:
+        B, H, L, _ = x.shape
+        return mx.broadcast_to(self.channels[None, :, None, :], (B, H, L, self.n_outliers))
+
+    def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        """Quantize k, v (B, H, L, D) into the next L slots; return the dequantized history."""
+        end = self._end(k, v)
+        if not self.calibrated:
+            self.calibrate(k)
+        idx = self._index(k)
+        self.k_outliers[:, :, self.offset:end] = mx.take_along_axis(k, idx, axis=-1).astype(mx.float16)
+        dense = mx.put_along_axis(k.astype(self.dtype), idx, mx.array(0, self.dtype), axis=-1)
+        for x, bufs in ((dense, self.k_quant), (v, self.v_quant)):
+            for buf, part in zip(bufs, mx.quantize(x.astype(self.dtype), self.group, self.bits)):
+                buf[:, :, self.offset:end, :] = part
+        self.offset = end
+        return self.state
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array]:
+        """The dequantized filled part: (keys, values), each (B, H, offset, D)."""
+        n = self.offset
+        dense, values = (_dequantize(*(b[:, :, :n] for b in bufs), self.group, self.bits)
+                         for bufs in (self.k_quant, self.v_quant))
+        outliers = self.k_outliers[:, :, :n].astype(self.dtype)
+        return mx.put_along_axis(dense, self._index(dense), outliers, axis=-1), values
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.k_quant + self.v_quant + [self.k_outliers, self.channels])
+
+
+CACHES = {
+    "sym8": partial(SymmetricKVCache, bits=8),
+    "sym4": partial(SymmetricKVCache, bits=4),
+    "affine8-g64": partial(AffineKVCache, bits=8, group=64),
+    "affine8-g32": partial(AffineKVCache, bits=8, group=32),
+    "affine4-g64": partial(AffineKVCache, bits=4, group=64),
+    "affine4-g32": partial(AffineKVCache, bits=4, group=32),
+    "kivi4": partial(KIVIKVCache, bits=4, group=32, window=32),
+    "kivi2": partial(KIVIKVCache, bits=2, group=32, window=32),
+    "outlier4": partial(OutlierKVCache, bits=4, group=32, n_outliers=4),
+}
+
+
+def make_caches(kind: str, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, max_size: int,
+                dtype: mx.Dtype = mx.float32, **params) -> list:
+    """One quantized cache of `kind` (a key of CACHES) per layer; params override its bits/group/... .
+
+    Example: `make_caches("kivi2", a.num_hidden_layers, 1, a.num_key_value_heads, a.head_dim, 512,
+    window=64)`; the list goes wherever `Model.make_cache()`'s would (generate_step, prefill).
+    """
+    if kind not in CACHES:
+        raise ValueError(f"unknown quantized cache kind {kind!r}; have {', '.join(CACHES)}")
+    return [CACHES[kind](batch, n_kv_heads, head_dim, max_size, dtype, **params) for _ in range(n_layers)]
