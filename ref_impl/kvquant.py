@@ -60,7 +60,7 @@ def dequantize_symmetric(codes: mx.array, scale: mx.array, bits: int) -> mx.arra
     if bits == 8:
         return codes.astype(scale.dtype) * scale
     lo, hi = (codes & 15).astype(mx.int8) - 8, (codes >> 4).astype(mx.int8) - 8
-    q = mx.stack([lo, hi], axis=-1).reshape(*codes.shape[:-1], -1)   # (..., D)
+    q = mx.stack([lo, hi], axis=-1).reshape(*codes.shape[:-1], 2 * codes.shape[-1])   # (..., D)
     return q.astype(scale.dtype) * scale
 
 
