@@ -46,14 +46,10 @@ class Sampler:
             raise ValueError("invalid sampling settings: " + ", ".join(bad))
         self._key = mx.random.key(self.seed)
 
-    def __call__(self, logits: mx.array) -> mx.array:
-        """Pick one token id per row of logits (B, V) -> (B,), without a host sync."""
-        if self.temperature == 0:
-            return mx.argmax(logits, axis=-1)
-        self._key, key = mx.random.split(self._key)
+    def _ranked(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        """(order, ranked): the vocabulary sorted most likely first, and the tempered logits in that
+        order with the tokens top-k/top-p cut set to -inf."""
         logits = logits.astype(mx.float32) / self.temperature
-        if self.top_k == 0 and self.top_p == 1.0:
-            return mx.random.categorical(logits, key=key)
         order = mx.argsort(-logits, axis=-1)                     # most likely first
         ranked = mx.take_along_axis(logits, order, axis=-1)
         keep = mx.ones(ranked.shape, dtype=mx.bool_)
@@ -63,9 +59,28 @@ class Sampler:
             probs = mx.softmax(ranked, axis=-1)
             # keep a token if the mass strictly before it is below top_p (the first always stays)
             keep = keep & (mx.cumsum(probs, axis=-1) - probs < self.top_p)
-        ranked = mx.where(keep, ranked, -mx.inf)
+        return order, mx.where(keep, ranked, -mx.inf)
+
+    def __call__(self, logits: mx.array) -> mx.array:
+        """Pick one token id per row of logits (B, V) -> (B,), without a host sync."""
+        if self.temperature == 0:
+            return mx.argmax(logits, axis=-1)
+        self._key, key = mx.random.split(self._key)
+        if self.top_k == 0 and self.top_p == 1.0:
+            return mx.random.categorical(logits.astype(mx.float32) / self.temperature, key=key)
+        order, ranked = self._ranked(logits)
         choice = mx.random.categorical(ranked, key=key)
         return mx.take_along_axis(order, choice[..., None], axis=-1)[..., 0]
+
+    def probs(self, logits: mx.array) -> mx.array:
+        """The distribution __call__ draws from, (..., V) -> (..., V): one-hot at the argmax when greedy.
+        Speculative decoding's acceptance rule needs it."""
+        if self.temperature == 0:
+            return (mx.arange(logits.shape[-1]) == mx.argmax(logits, axis=-1, keepdims=True)).astype(mx.float32)
+        if self.top_k == 0 and self.top_p == 1.0:
+            return mx.softmax(logits.astype(mx.float32) / self.temperature, axis=-1)
+        order, ranked = self._ranked(logits)
+        return mx.take_along_axis(mx.softmax(ranked, axis=-1), mx.argsort(order, axis=-1), axis=-1)  # vocab order
 
 
 def prefill(model: Model, tokens: mx.array, cache: list[KVCache]) -> mx.array:

@@ -34,29 +34,6 @@ from .kvcache import KVCache
 from .model import Model
 
 
-def sampling_probs(sampler: Sampler, logits: mx.array) -> mx.array:
-    """The distribution `sampler` draws from, as probabilities: logits (..., V) -> (..., V).
-
-    The same cuts as Sampler.__call__ (temperature, then top-k and top-p by rank, ties broken by
-    argsort's order); with temperature 0, a one-hot vector at the argmax.
-    """
-    if sampler.temperature == 0:
-        return (mx.arange(logits.shape[-1]) == mx.argmax(logits, axis=-1, keepdims=True)).astype(mx.float32)
-    logits = logits.astype(mx.float32) / sampler.temperature
-    if sampler.top_k == 0 and sampler.top_p == 1.0:
-        return mx.softmax(logits, axis=-1)
-    order = mx.argsort(-logits, axis=-1)                         # most likely first
-    ranked = mx.take_along_axis(logits, order, axis=-1)
-    keep = mx.ones(ranked.shape, dtype=mx.bool_)
-    if sampler.top_k:
-        keep = keep & (mx.arange(ranked.shape[-1]) < sampler.top_k)
-    if sampler.top_p < 1.0:
-        probs = mx.softmax(ranked, axis=-1)
-        keep = keep & (mx.cumsum(probs, axis=-1) - probs < sampler.top_p)
-    ranked_probs = mx.softmax(mx.where(keep, ranked, -mx.inf), axis=-1)
-    return mx.take_along_axis(ranked_probs, mx.argsort(order, axis=-1), axis=-1)  # back to vocab order
-
-
 def _sample_inverse_cdf(weights: np.ndarray, u: np.ndarray) -> np.ndarray:
     """One index per row of non-negative weights (..., V), chosen by uniforms u (...) in [0, 1)."""
     cdf = np.cumsum(weights, axis=-1)
@@ -122,7 +99,7 @@ def draft_tokens(draft: Model, y: mx.array, cache: list[KVCache], gamma: int,
     tokens, qs = [], []
     for _ in range(gamma):
         logits = decode_one_token(draft, y, cache)       # (1, V)
-        qs.append(sampling_probs(sampler, logits))
+        qs.append(sampler.probs(logits))
         y = sampler(logits)                               # a draw from exactly that distribution
         tokens.append(y)
     return mx.concatenate(tokens), mx.concatenate(qs)
@@ -141,7 +118,7 @@ def speculative_step(target: Model, draft: Model, target_cache: list[KVCache], d
     if sampler.temperature == 0:
         n, token = accept_greedy(np.array(mx.argmax(logits, axis=-1)), np.array(drafts))
     else:
-        p = sampling_probs(sampler, logits)
+        p = sampler.probs(logits)
         mx.eval(p, q, drafts)
         n, token = accept(np.array(p).astype(np.float64), np.array(q).astype(np.float64),
                           np.array(drafts), rng.random(gamma + 1))

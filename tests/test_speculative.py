@@ -11,7 +11,7 @@ import pytest
 
 from ref_impl.generate import Sampler, decode_one_token, generate_step, prefill
 from ref_impl.model import load
-from ref_impl.speculative import (accept, accept_greedy, acceptance_rate, sampling_probs,
+from ref_impl.speculative import (accept, accept_greedy, acceptance_rate,
                                   speculative_decode, speculative_generate)
 
 SIGNIFICANCE = 1e-3     # each chi-square test rejects a correct rule with this probability
@@ -173,7 +173,7 @@ def test_task_1_greedy_rule_is_the_rule_on_one_hot_distributions():
                                       {"temperature": 1.0, "top_k": 4, "top_p": 0.7}])
 def test_task_2_sampling_probs_is_what_the_sampler_draws_from(settings):
     logits = np.array([[2.0, 1.5, 1.5, 0.3, -1.0, 0.9, 0.0, -0.5]], dtype=np.float32)  # a tie at 1, 2
-    probs = np.array(sampling_probs(Sampler(**settings), mx.array(logits)))[0].astype(np.float64)
+    probs = np.array(Sampler(**settings).probs(mx.array(logits)))[0].astype(np.float64)
     assert probs.sum() == pytest.approx(1.0, abs=1e-6)
     draws = np.array(Sampler(**settings, seed=11)(mx.array(np.repeat(logits, 100_000, axis=0))))
     p_value = chi2_pvalue(draws, probs / probs.sum())
