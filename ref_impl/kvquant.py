@@ -139,21 +139,27 @@ class AffineKVCache(KVCache):
         self.k_quant = _affine_buffers(lead, head_dim, bits, group, dtype)   # codes, scales, biases
         self.v_quant = _affine_buffers(lead, head_dim, bits, group, dtype)
 
-    def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
-        """Quantize k, v (B, H, L, D) into the next L slots; return the dequantized history."""
-        end = self._end(k, v)
+    def _store(self, k: mx.array, v: mx.array, end: int) -> None:
+        """Quantize k, v (B, H, L, D) into slots offset..end and advance the offset."""
         for x, bufs in ((k, self.k_quant), (v, self.v_quant)):
             for buf, part in zip(bufs, mx.quantize(x.astype(self.dtype), self.group, self.bits)):
                 buf[:, :, self.offset:end, :] = part
         self.offset = end
+
+    def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        """Quantize k, v (B, H, L, D) into the next L slots; return the dequantized history."""
+        self._store(k, v, self._end(k, v))
         return self.state
+
+    def _dequantized(self) -> tuple[mx.array, mx.array]:
+        n = self.offset
+        return tuple(_dequantize(*(b[:, :, :n] for b in bufs), self.group, self.bits)
+                     for bufs in (self.k_quant, self.v_quant))
 
     @property
     def state(self) -> tuple[mx.array, mx.array]:
         """The dequantized filled part: (keys, values), each (B, H, offset, D)."""
-        n = self.offset
-        return tuple(_dequantize(*(b[:, :, :n] for b in bufs), self.group, self.bits)
-                     for bufs in (self.k_quant, self.v_quant))
+        return self._dequantized()
 
     @property
     def nbytes(self) -> int:
@@ -252,7 +258,7 @@ class KIVIKVCache(KVCache):
         return sum(a.nbytes for a in self.k_quant + self.v_quant + [self.k_float, self.v_float])
 
 
-class OutlierKVCache(KVCache):
+class OutlierKVCache(AffineKVCache):
     """Keys: `n_outliers` channels per KV head in float16, the rest `bits`-bit affine per token;
     values: `bits`-bit affine per token. Both in groups of `group` channels.
 
@@ -263,18 +269,13 @@ class OutlierKVCache(KVCache):
     `mx.to_fp8` (e4m3) saturates at 448 and keeps 3 mantissa bits, poor for the largest channels.
     """
 
-    preallocate = False   # KVCache's float buffers stay empty (B, H, 0, D): only the shape check uses them
-
     def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_size: int,
                  dtype: mx.Dtype = mx.float32, bits: int = 4, group: int = 32, n_outliers: int = 4):
-        super().__init__(batch, n_kv_heads, head_dim, max_size, dtype)
-        _check_affine(bits, group, head_dim, "head_dim")
         if not 0 < n_outliers < head_dim:
             raise ValueError(f"n_outliers must be in 1..head_dim-1, got {n_outliers}")
-        self.bits, self.group, self.n_outliers, self.dtype = bits, group, n_outliers, dtype
+        super().__init__(batch, n_kv_heads, head_dim, max_size, dtype, bits, group)
+        self.n_outliers = n_outliers
         lead = (batch, n_kv_heads, max_size)
-        self.k_quant = _affine_buffers(lead, head_dim, bits, group, dtype)
-        self.v_quant = _affine_buffers(lead, head_dim, bits, group, dtype)
         self.k_outliers = _zeros(lead + (n_outliers,), mx.float16)
         self.channels = _zeros((n_kv_heads, n_outliers), mx.int32)   # per head, ascending
         self.calibrated = False
@@ -297,20 +298,14 @@ class OutlierKVCache(KVCache):
             self.calibrate(k)
         idx = self._index(k)
         self.k_outliers[:, :, self.offset:end] = mx.take_along_axis(k, idx, axis=-1).astype(mx.float16)
-        dense = mx.put_along_axis(k.astype(self.dtype), idx, mx.array(0, self.dtype), axis=-1)
-        for x, bufs in ((dense, self.k_quant), (v, self.v_quant)):
-            for buf, part in zip(bufs, mx.quantize(x.astype(self.dtype), self.group, self.bits)):
-                buf[:, :, self.offset:end, :] = part
-        self.offset = end
+        self._store(mx.put_along_axis(k.astype(self.dtype), idx, mx.array(0, self.dtype), axis=-1), v, end)
         return self.state
 
     @property
     def state(self) -> tuple[mx.array, mx.array]:
         """The dequantized filled part: (keys, values), each (B, H, offset, D)."""
-        n = self.offset
-        dense, values = (_dequantize(*(b[:, :, :n] for b in bufs), self.group, self.bits)
-                         for bufs in (self.k_quant, self.v_quant))
-        outliers = self.k_outliers[:, :, :n].astype(self.dtype)
+        dense, values = self._dequantized()
+        outliers = self.k_outliers[:, :, :self.offset].astype(self.dtype)
         return mx.put_along_axis(dense, self._index(dense), outliers, axis=-1), values
 
     @property
