@@ -74,6 +74,11 @@ def _bits(bits) -> np.ndarray:
     return b.astype(np.uint8)
 
 
+def _three_bits(values: np.ndarray) -> np.ndarray:
+    """3-bit values (the first bit most significant) -> their bits, in order."""
+    return ((values[:, None] >> np.array([2, 1, 0])) & 1).astype(np.uint8).ravel()
+
+
 def encode_pam3(bits) -> np.ndarray:
     """Bits -> ternary symbols in {-1, 0, +1}, 2 per 3 bits. A length that is not a multiple of 3 is
     zero-padded at the end; the bit count travels separately (`decode_pam3(symbols, n_bits)`)."""
@@ -96,7 +101,7 @@ def decode_pam3(symbols, n_bits: int | None = None) -> np.ndarray:
         i = int(np.flatnonzero(values < 0)[0])
         raise ValueError(f"invalid PAM3 pair {tuple(int(x) for x in s[2 * i:2 * i + 2])} at pair {i} "
                          f"(symbols {2 * i} and {2 * i + 1}): the code never sends {PAM3_UNUSED}")
-    bits = ((values[:, None] >> np.array([2, 1, 0])) & 1).astype(np.uint8).ravel()
+    bits = _three_bits(values)
     if n_bits is not None and not bits.size - 3 < n_bits <= bits.size:
         raise ValueError(f"n_bits={n_bits} does not fit {s.size} symbols ({bits.size} bits with padding)")
     return bits[:n_bits]
@@ -120,7 +125,7 @@ def to_bits(code: LineCode, idx) -> np.ndarray:
     if code is PAM3:
         values = _DECODE[3 * idx[0::2] + idx[1::2]]
         values = np.where(values < 0, PAM3_FALLBACK, values)
-        return ((values[:, None] >> np.array([2, 1, 0])) & 1).astype(np.uint8).ravel()
+        return _three_bits(values)
     if code is PAM4:
         v = np.argsort(_PAM4_GRAY)[idx]
         return np.stack([v >> 1, v & 1], axis=1).astype(np.uint8).ravel()
