@@ -184,7 +184,7 @@ def memory_table(shapes: Iterable[str | roofline.ModelShape] = DEFAULT_SHAPES,
         shape = roofline.MODELS[shape] if isinstance(shape, str) else shape
         cost = {s: scheme_bytes(s, shape.num_key_value_heads, shape.head_dim, dtype) for s in (FLOAT, *schemes)}
         for context in contexts:
-            stored = roofline._attended(shape, context)   # sum over layers of positions kept
+            stored = roofline.attended_positions(shape, context)   # sum over layers of positions kept
             size = {s: per * stored + fixed * shape.num_hidden_layers for s, (per, fixed) in cost.items()}
             rows += [{"model": shape.name, "scheme": s, "context": context, "bytes": size[s],
                       "bytes_per_token": size[s] / context, "vs_float": size[s] / size[FLOAT]}

@@ -198,14 +198,14 @@ def kv_bytes_per_token(shape: ModelShape, bytes_per_element: float = 2) -> float
     return 2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.head_dim * bytes_per_element
 
 
-def _attended(shape: ModelShape, context: int) -> int:
+def attended_positions(shape: ModelShape, context: int) -> int:
     """Sum over layers of the positions a token at `context` attends to (a window caps local layers)."""
     local = shape.num_hidden_layers - shape.global_layers
     return shape.global_layers * context + local * min(context, shape.sliding_window)
 
 
 def _attended_sum(shape: ModelShape, n: int) -> int:
-    """Sum of `_attended(shape, i)` for i = 1..n, in closed form."""
+    """Sum of `attended_positions(shape, i)` for i = 1..n, in closed form."""
     w, local = shape.sliding_window, shape.num_hidden_layers - shape.global_layers
     windowed = n * (n + 1) // 2 if n <= w else w * (w + 1) // 2 + (n - w) * w
     return shape.global_layers * n * (n + 1) // 2 + local * windowed
@@ -213,12 +213,12 @@ def _attended_sum(shape: ModelShape, n: int) -> int:
 
 def kv_cache_bytes(shape: ModelShape, context: int, bytes_per_element: float = 2) -> float:
     """Bytes of KV cache a token at `context` reads; local layers keep only the last `sliding_window`."""
-    return 2 * shape.num_key_value_heads * shape.head_dim * bytes_per_element * _attended(shape, context)
+    return 2 * shape.num_key_value_heads * shape.head_dim * bytes_per_element * attended_positions(shape, context)
 
 
 def flops_per_token(shape: ModelShape, context: int) -> float:
     """FLOPs for one token: 2 per matmul weight, plus Q.K and softmax(QK).V over `context` positions."""
-    attention = 4 * shape.num_attention_heads * shape.head_dim * _attended(shape, context)
+    attention = 4 * shape.num_attention_heads * shape.head_dim * attended_positions(shape, context)
     return 2 * matmul_params(shape) + attention
 
 
