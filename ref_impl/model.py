@@ -194,12 +194,20 @@ class Model(nn.Module):
 
     def __call__(self, tokens: mx.array, cache: list[KVCache] | None = None) -> mx.array:
         """Logits (B, L, vocab_size) for tokens (B, L), continuing after what `cache` holds."""
+        return self.logits(self.hidden(tokens, cache))
+
+    def hidden(self, tokens: mx.array, cache: list[KVCache] | None = None) -> mx.array:
+        """The last hidden states (B, L, hidden_size), after the final norm: what the LM head reads
+        (and what mtp.py's multi-token-prediction heads read)."""
         h = self.embed_tokens(tokens)
         # "causal" lines the mask up with the *last* L keys, so it also holds after a cache offset.
         mask = "causal" if h.shape[1] > 1 else None
         for i, layer in enumerate(self.layers):
             h = layer(h, mask, cache[i] if cache is not None else None)
-        h = self.norm(h)
+        return self.norm(h)
+
+    def logits(self, h: mx.array) -> mx.array:
+        """The LM head: hidden states (..., hidden_size) -> logits (..., vocab_size)."""
         if self.args.tie_word_embeddings:
             return self.embed_tokens.as_linear(h)
         return self.lm_head(h)
