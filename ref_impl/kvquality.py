@@ -79,12 +79,20 @@ def key_value_magnitudes(model: Model, tokens: mx.array) -> dict[str, dict[str, 
     return mags
 
 
+def outlier_indices(magnitude: np.ndarray, factor: float) -> np.ndarray:
+    """Indices of the channels whose magnitude (one value per channel, (C,)) exceeds factor times
+    the median channel's: the outlier rule used throughout the chapter."""
+    magnitude = np.asarray(magnitude, dtype=np.float64)
+    if magnitude.ndim != 1 or magnitude.size == 0:
+        raise ValueError(f"expected one magnitude per channel (a non-empty 1-D array), got shape {magnitude.shape}")
+    return np.flatnonzero(magnitude > factor * np.median(magnitude))
+
+
 def outlier_channels(mags: dict, factor: float, which: str = "keys_pre_rope", stat: str = "mean") -> list[int]:
-    """Per layer, how many channels (over all KV heads) have mags[which][stat] above factor times
-    that layer's median channel magnitude."""
+    """Per layer, how many channels (over all KV heads) are outliers (`outlier_indices`) by
+    mags[which][stat]."""
     m = mags[which][stat]
-    flat = m.reshape(m.shape[0], -1)
-    return [int((row > factor * np.median(row)).sum()) for row in flat]
+    return [len(outlier_indices(row, factor)) for row in m.reshape(m.shape[0], -1)]
 
 
 def per_channel_rounding_error(keys, bits: int) -> dict[str, np.ndarray]:
