@@ -250,7 +250,6 @@ def test_gguf_task_1_accepts_the_padded_offset_and_a_right_function():
 
 
 def test_gguf_task_1_matches_what_gguf_write_does(tmp_path):
-    import numpy as np
 
     from ref_impl import gguf
     for alignment in (1, 32, 64):
@@ -281,13 +280,11 @@ def test_gguf_task_1_non_integer():
 
 
 def test_gguf_task_2_accepts_the_element_alignment_rule():
-    import numpy as np
     assert ex.check_zero_copy_view(lambda o, d: o % np.dtype(d).alignment == 0)
     assert ex.check_zero_copy_view(lambda o, d: o % np.dtype(d).itemsize == 0)
 
 
 def test_gguf_task_2_rule_is_what_numpy_reports():
-    import numpy as np
     buf = bytes(200_000)
     for offset, dtype in ex._VIEW_CASES:
         view = np.frombuffer(buf, dtype, count=4, offset=offset)
@@ -370,7 +367,6 @@ def test_k_quants_task_1_a_function_that_forgets_dmin_fails_on_q4_k():
 
 
 def test_k_quants_task_1_garbage_and_crashes():
-    import numpy as np
 
     assert "raised KeyError" in ex.check_bits_per_weight(lambda name: {}[name]).message
     for garbage in (None, "4.5", True, float("nan"), [4.5]):
@@ -431,7 +427,6 @@ def unpack_high_bits_unshifted(b):
 
 
 def test_k_quants_task_2_accepts_a_right_unpacker():
-    import numpy as np
     r = ex.check_unpack_scales(unpack_by_hand)
     assert r and "12 blocks" in r.message
     assert ex.check_unpack_scales(lambda b: tuple(np.array(v, np.uint8) for v in unpack_by_hand(b)))
@@ -467,7 +462,6 @@ def test_k_quants_task_2_wrong_lengths_and_garbage():
 
 def decode_by_hand(block, qs_order="chunks", sign=-1.0, use_min=True, use_d=True, centre=0):
     """dequantize_row_q4_K, loop by loop, in Python floats; the keywords make its typical slips."""
-    import numpy as np
     d = float(np.frombuffer(bytes(block[0:2]), "<f2")[0])
     dmin = float(np.frombuffer(bytes(block[2:4]), "<f2")[0])
     scales, mins = unpack_by_hand(block[4:16])
@@ -489,7 +483,6 @@ def decode_by_hand(block, qs_order="chunks", sign=-1.0, use_min=True, use_d=True
 
 
 def test_k_quants_task_3_accepts_a_right_decoder():
-    import numpy as np
     r = ex.check_decode_q4_k(decode_by_hand)
     assert r and "4 blocks" in r.message
     assert ex.check_decode_q4_k(lambda b: np.array(decode_by_hand(b), np.float32).reshape(8, 32))
@@ -497,7 +490,6 @@ def test_k_quants_task_3_accepts_a_right_decoder():
 
 def decode_float16(block):
     """numpy's promotion: float16 × uint8 stays float16."""
-    import numpy as np
     d, dmin = np.frombuffer(bytes(block[0:4]), "<f2")
     sc, mn = (np.array(v, np.uint8) for v in unpack_by_hand(block[4:16]))
     qs = np.asarray(block[16:]).reshape(4, 32)
@@ -506,7 +498,6 @@ def decode_float16(block):
 
 
 def with_bytes(block, at, new):
-    import numpy as np
     b = np.array(block, np.uint8)
     b[at:at + len(new)] = new
     return b
@@ -517,7 +508,6 @@ def decode_swapped_d(block):
 
 
 def decode_swapped_scales(block):
-    import numpy as np
 
     from ref_impl.kquants import pack_scales_q4_k
     s, m = unpack_by_hand(block[4:16])
@@ -525,12 +515,10 @@ def decode_swapped_scales(block):
 
 
 def decode_unit_min(block):
-    import numpy as np
     return decode_by_hand(with_bytes(block, 2, np.array([1.0], "<f2").view(np.uint8)))
 
 
 def decode_no_high_scale_bits(block):
-    import numpy as np
 
     from ref_impl.kquants import pack_scales_q4_k
     s, m = unpack_no_high_bits(block[4:16])
