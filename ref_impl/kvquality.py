@@ -172,7 +172,16 @@ def scheme_bytes(scheme: str, n_kv_heads: int, head_dim: int, dtype: mx.Dtype = 
     return per_token, a - per_token * sizes[0]
 
 
-DEFAULT_SHAPES = ("Llama-3.1-8B", "Qwen3-4B", "Qwen3-8B", "Qwen3-32B")
+# A 30B-class model for C05's "35B" (Qwen3-30B-A3B: 48 layers, 4 KV heads of 128; config.json at
+# https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json). Its mixture-of-experts MLP does not fit
+# roofline's dense ModelShape, so this shape serves KV arithmetic only: intermediate_size 0 makes any
+# weight count taken from it visibly wrong rather than plausibly wrong.
+QWEN3_30B_A3B = roofline.ModelShape("Qwen3-30B-A3B", 151936, 2048, 48, 0, 32, 4, 128, False,
+                                    "Qwen/Qwen3-30B-A3B, config.json: https://huggingface.co/Qwen/Qwen3-30B-A3B/"
+                                    "blob/main/config.json (KV heads and layers only; MoE MLP not modelled)",
+                                    qk_norm=True)
+KV_SHAPES = {**roofline.MODELS, QWEN3_30B_A3B.name: QWEN3_30B_A3B}   # every shape memory_table knows by name
+DEFAULT_SHAPES = ("Llama-3.1-8B", "Qwen3-4B", "Qwen3-8B", "Qwen3-32B", "Qwen3-30B-A3B")
 DEFAULT_CONTEXTS = (8192, 16384, 32768, 65536, 131072)
 
 
@@ -189,7 +198,7 @@ def memory_table(shapes: Iterable[str | roofline.ModelShape] = DEFAULT_SHAPES,
     bytes_per_token (per token over all layers at that context), vs_float (bytes / float bytes)."""
     rows = []
     for shape in shapes:
-        shape = roofline.MODELS[shape] if isinstance(shape, str) else shape
+        shape = KV_SHAPES[shape] if isinstance(shape, str) else shape
         cost = {s: scheme_bytes(s, shape.num_key_value_heads, shape.head_dim, dtype) for s in (FLOAT, *schemes)}
         for context in contexts:
             stored = roofline.attended_positions(shape, context)   # sum over layers of positions kept
