@@ -6,6 +6,7 @@
     python -m ref_impl train --preset stdlib-10m --out models/
     python -m ref_impl bench --model models/stdlib-10m.gguf
     python -m ref_impl bench --link --label h200
+    python -m ref_impl bench --unified --label h200
     python -m ref_impl bench --dispatch --shapes tiny Llama-3.2-1B Llama-3.1-8B --label h200
 
 Bad input (a missing or malformed file, an impossible setting) prints one line on stderr
@@ -111,6 +112,9 @@ def cmd_bench(a: argparse.Namespace) -> None:
                                      progress=lambda msg: print(msg, file=sys.stderr, flush=True))
         elif a.link:
             records = bench_link(a.link_budget, a.link_max_bytes)
+        elif a.unified:
+            from .bench import bench_unified
+            records = bench_unified(a.unified_max_bytes)
         elif a.quant:
             records = bench_quant(Path(a.model), Path(work), a.quant, a.ppl_tokens, a.prompt_len, a.gen_tokens,
                                   a.repeats, peers=not a.no_peers)
@@ -130,6 +134,11 @@ def cmd_bench(a: argparse.Namespace) -> None:
         if (r["metric"] == "copy_bandwidth" and r["bytes"] == largest) or r["metric"] in ("completion_ms", "transfer_us",
                                                                                          "skipped"):
             print(f"  {r['variant']:<40} {r['metric']:<16} {r['value']:10.3f} {r['unit']} {r.get('note', '')}")
+    for r in records if a.unified else []:
+        if r["metric"] in ("shares_memory", "writes_seen", "skipped") or (r.get("bytes") == largest and r["metric"] in (
+                "convert_us", "convert_bandwidth", "read_bandwidth", "export_us")):
+            value = "-" if r["value"] is None else f"{r['value']:.3f}"
+            print(f"  {r['variant']:<44} {r['metric']:<17} {value:>10} {r['unit']} {r.get('note', '')}")
     for r in records if a.dispatch else []:
         if r["metric"] in ("gain", "slowdown", "launch_us", "break_even_elements", "itl_max_ms", "first_over_steady"):
             value = "-" if r["value"] is None else f"{r['value']:.3f}"
@@ -195,6 +204,9 @@ def parser() -> argparse.ArgumentParser:
                    help="copy bandwidth: host memory (numpy) and host<->device through PyTorch if it sees a GPU")
     b.add_argument("--link-budget", type=float, default=60.0, help="seconds --link may spend on device copies")
     b.add_argument("--link-max-bytes", type=int, default=1 << 30, help="largest transfer --link times (bytes)")
+    b.add_argument("--unified", action="store_true",
+                   help="numpy <-> MLX conversions (copy or share, time vs size) and first reads of fresh arrays")
+    b.add_argument("--unified-max-bytes", type=int, default=256 << 20, help="largest array --unified times (bytes)")
     b.add_argument("--dispatch", action="store_true",
                    help="dispatch measurements (sync vs async_eval vs eval per layer, first-call cost, kernel "
                         "latency, KV-cache jitter, wired memory, TTFT/ITL vs context) on --model and --shapes")

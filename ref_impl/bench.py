@@ -368,6 +368,15 @@ def bench_link(budget_s: float = 60.0, max_bytes: int = 1 << 30) -> list[dict]:
     return measure_link(budget_s, max_bytes)
 
 
+def bench_unified(max_bytes: int = 256 << 20, budget_s: float = 20.0) -> list[dict]:
+    """Unified-memory records (experiment "unified"): numpy <-> MLX conversions (copy or share, by
+    address; writes seen or not; time vs size) and the first host/device read of a fresh array on the
+    default device against a second read. See unified.measure_unified."""
+    from .unified import measure_unified
+
+    return measure_unified(max_bytes, budget_s)
+
+
 def bench_dispatch(path: Path, shapes: Sequence[str] | None = None, quick: bool = False, progress=None) -> list[dict]:
     """Dispatch records (experiments "dispatch-async", "dispatch-layer-eval", "first-call", "kernel-latency",
     "kv-jitter", "wired", "ttft", "itl") for the GGUF model at path and random models of `shapes`, sized for
