@@ -16,7 +16,8 @@ the greedy rule: accept while the draft equals the target's argmax (`accept_gree
 
 Rejected drafts are forgotten by trimming the KV caches (`KVCache.trim`), never by copying
 them. Between steps both caches hold the same tokens: the prompt and every emitted token
-except the last one, which the next step feeds first.
+except the last one, which the next step feeds first. A `Drafter` holds the draft side (model,
+cache, and how a proposal is picked), so other proposers can be measured on the same loop.
 
 See chapter: speculative-decoding
 """
@@ -90,30 +91,52 @@ def rewind(cache: list[KVCache], n: int) -> None:
         layer_cache.trim(n)
 
 
-def draft_tokens(draft: Model, y: mx.array, cache: list[KVCache], gamma: int,
-                 sampler: Sampler) -> tuple[mx.array, mx.array]:
-    """Propose γ tokens after y (1,): the tokens (γ,) and the distributions they came from (γ, V).
+class Drafter:
+    """The draft side of speculative decoding: a draft model, its own KV cache, and how it picks each
+    proposal from its logits (`pick`: a draw from the sampler). Between steps its cache holds the
+    same tokens as the target's. A subclass that changes only `pick` (a scripted or α-controlled
+    proposer, as the speedup measurements use) keeps the draft model's real cost."""
 
-    Feeds y and the first γ-1 proposals, so the draft cache grows by γ. Nothing is evaluated here.
-    """
-    tokens, qs = [], []
-    for _ in range(gamma):
-        logits = decode_one_token(draft, y, cache)       # (1, V)
-        qs.append(sampler.probs(logits))
-        y = sampler(logits)                               # a draw from exactly that distribution
-        tokens.append(y)
-    return mx.concatenate(tokens), mx.concatenate(qs)
+    def __init__(self, model: Model, cache: list[KVCache], sampler: Sampler):
+        self.model, self.cache, self.sampler = model, cache, sampler
+
+    def prefill(self, tokens: mx.array) -> mx.array:
+        """Run the prompt (1, P) into the cache; return the last logits (1, V), not evaluated."""
+        return prefill(self.model, tokens, self.cache)
+
+    def pick(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        """The proposal (1,) after logits (1, V), and the distribution (1, V) it was drawn from."""
+        return self.sampler(logits), self.sampler.probs(logits)
+
+    def propose(self, y: mx.array, gamma: int) -> tuple[mx.array, mx.array]:
+        """Propose γ tokens after y (1,): the tokens (γ,) and the distributions they came from (γ, V).
+
+        Feeds y and the first γ-1 proposals, so the cache grows by γ. Nothing is evaluated here.
+        """
+        tokens, qs = [], []
+        for _ in range(gamma):
+            y, q = self.pick(decode_one_token(self.model, y, self.cache))   # (1,), (1, V)
+            tokens.append(y)
+            qs.append(q)
+        return mx.concatenate(tokens), mx.concatenate(qs)
+
+    def keep(self, drafts: mx.array, n: int) -> None:
+        """After the target accepted n of the drafts (γ,): hold y and drafts[:n], as the target does."""
+        gamma = drafts.shape[0]
+        if n == gamma:
+            decode_one_token(self.model, drafts[-1:], self.cache)   # the draft never fed its last proposal
+        else:
+            rewind(self.cache, gamma - n - 1)
 
 
-def speculative_step(target: Model, draft: Model, target_cache: list[KVCache], draft_cache: list[KVCache],
-                     y: mx.array, gamma: int, sampler: Sampler,
-                     rng: np.random.Generator) -> tuple[list[int], int]:
+def speculative_step(target: Model, drafter: Drafter, target_cache: list[KVCache], y: mx.array, gamma: int,
+                     sampler: Sampler, rng: np.random.Generator) -> tuple[list[int], int]:
     """One draft-then-verify step after the last emitted token y (1,), which neither cache holds yet.
 
     Returns the emitted tokens (the accepted drafts, then one target token) and the number of
     drafts accepted. Afterwards both caches hold y and the accepted drafts.
     """
-    drafts, q = draft_tokens(draft, y, draft_cache, gamma, sampler)
+    drafts, q = drafter.propose(y, gamma)
     logits = target(mx.concatenate([y, drafts])[None], target_cache)[0]     # (γ+1, V) in one forward
     if sampler.temperature == 0:
         n, token = accept_greedy(np.array(mx.argmax(logits, axis=-1)), np.array(drafts))
@@ -124,10 +147,7 @@ def speculative_step(target: Model, draft: Model, target_cache: list[KVCache], d
                           np.array(drafts), rng.random(gamma + 1))
         n, token = int(n), int(token)
     rewind(target_cache, gamma - n)             # keep y and the n accepted drafts
-    if n == gamma:
-        decode_one_token(draft, drafts[-1:], draft_cache)   # the draft never fed its last proposal
-    else:
-        rewind(draft_cache, gamma - n - 1)
+    drafter.keep(drafts, n)
     return np.array(drafts[:n]).tolist() + [token], n
 
 
@@ -139,22 +159,24 @@ class SpeculativeStep:
     accepted: int
 
 
-def speculative_generate(target: Model, draft: Model, prompt: list[int], sampler: Sampler,
-                         target_cache: list[KVCache], draft_cache: list[KVCache], gamma: int = 4,
+def speculative_generate(target: Model, drafter: Drafter, prompt: list[int], sampler: Sampler,
+                         target_cache: list[KVCache], gamma: int = 4,
                          rng: np.random.Generator | None = None) -> Iterator[SpeculativeStep]:
     """Yield one SpeculativeStep per target forward, forever; the caller stops it.
 
     Args:
-        target, draft: two models with the same tokenizer.
+        target: the model whose output is kept.
+        drafter: a draft model with the same tokenizer, its empty cache and its sampler.
         prompt: token ids (at least one).
-        sampler: the sampling settings; both models sample with them. Its seed also seeds
-            the acceptance draws unless rng is given.
-        target_cache, draft_cache: empty caches; each step may write γ+1 positions past
-            the tokens emitted so far before trimming back.
+        sampler: the target's sampling settings (the drafter's should be the same). Its seed also
+            seeds the acceptance draws unless rng is given.
+        target_cache: an empty cache. Each step may write γ+1 positions past the tokens emitted
+            so far into either cache before trimming back.
         gamma: drafts proposed per step.
 
-    The first step is the prefill's token (proposed 0). The emitted tokens are distributed as
-    plain decoding of `target` with `sampler`, and with temperature 0 they are exactly its tokens.
+    The first step is the prefill's token (proposed 0); both prompts are evaluated before it is
+    yielded. The emitted tokens are distributed as plain decoding of `target` with `sampler`,
+    and with temperature 0 they are exactly its tokens.
     """
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token (e.g. BOS)")
@@ -163,10 +185,10 @@ def speculative_generate(target: Model, draft: Model, prompt: list[int], sampler
     rng = rng if rng is not None else np.random.default_rng(sampler.seed)
     tokens = mx.array([prompt])
     y = sampler(prefill(target, tokens, target_cache))
-    prefill(draft, tokens, draft_cache)
+    mx.eval(y, drafter.prefill(tokens))
     yield SpeculativeStep([y.item()], 0, 0)
     while True:
-        emitted, n = speculative_step(target, draft, target_cache, draft_cache, y, gamma, sampler, rng)
+        emitted, n = speculative_step(target, drafter, target_cache, y, gamma, sampler, rng)
         yield SpeculativeStep(emitted, gamma, n)
         y = mx.array(emitted[-1:])
 
@@ -179,9 +201,10 @@ def speculative_decode(target: Model, draft: Model, prompt: list[int], max_token
     if size > context:
         raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) + gamma ({gamma}) "
                          f"exceeds the models' context length ({context})")
+    sampler = sampler or Sampler()
     steps, tokens = [], []
-    for step in speculative_generate(target, draft, prompt, sampler or Sampler(),
-                                     target.make_cache(size), draft.make_cache(size), gamma):
+    for step in speculative_generate(target, Drafter(draft, draft.make_cache(size), sampler), prompt, sampler,
+                                     target.make_cache(size), gamma):
         steps.append(step)
         tokens += step.tokens
         if len(tokens) >= max_tokens:
@@ -190,6 +213,8 @@ def speculative_decode(target: Model, draft: Model, prompt: list[int], max_token
 
 
 def acceptance_rate(steps: list[SpeculativeStep]) -> float:
-    """α: the fraction of proposed drafts that were accepted."""
+    """The fraction of proposed drafts that were accepted. For γ > 1 it is below the per-draft
+    acceptance α of the speedup model: drafts after a rejection count as proposed, never judged
+    (`speedup.acceptance_by_position` counts only the judged ones)."""
     proposed = sum(s.proposed for s in steps)
     return sum(s.accepted for s in steps) / proposed if proposed else float("nan")

@@ -11,7 +11,7 @@ import pytest
 
 from ref_impl.generate import Sampler, decode_one_token, generate_step, prefill
 from ref_impl.model import load
-from ref_impl.speculative import (accept, accept_greedy, acceptance_rate,
+from ref_impl.speculative import (Drafter, accept, accept_greedy, acceptance_rate,
                                   speculative_decode, speculative_generate)
 
 SIGNIFICANCE = 1e-3     # each chi-square test rejects a correct rule with this probability
@@ -206,18 +206,18 @@ def test_task_3_greedy_speculative_emits_exactly_the_greedy_tokens(pair, gamma):
     assert len(steps) < 64                      # fewer target forwards than tokens
 
 
-class ScriptedDraft:
+class ScriptedDrafter(Drafter):
     """The shipped draft (its cache fills for real), but proposing the target's greedy token at every
     position except `wrong`, where it proposes another one: rejections land where the test says."""
 
-    def __init__(self, draft, sequence, wrong, vocab):
-        self.draft, self.sequence, self.wrong, self.vocab = draft, sequence, wrong, vocab
+    def __init__(self, draft, cache, sequence, wrong, vocab):
+        super().__init__(draft, cache, Sampler())
+        self.sequence, self.wrong, self.vocab = sequence, wrong, vocab
 
-    def __call__(self, tokens, cache):
-        self.draft(tokens, cache)
-        pos = cache[0].offset                   # the position of the token being predicted
+    def pick(self, logits):
+        pos = self.cache[0].offset              # the position of the token being predicted
         want = self.sequence[pos] if pos not in self.wrong else (self.sequence[pos] + 1) % self.vocab
-        return mx.broadcast_to(10.0 * (mx.arange(self.vocab) == want), (1, tokens.shape[1], self.vocab))
+        return mx.array([want]), mx.array(np.eye(self.vocab, dtype=np.float32)[want][None])
 
 
 def plain_cache(model, tokens):
@@ -244,11 +244,11 @@ def test_task_4_rejections_roll_both_caches_back_to_plain_decoding(pair):
     P = len(prompt)
     # after the prefill's token (at P) each step proposes 3: wrong first draft, wrong third, none wrong, ...
     wrong = {P + 1, P + 4, P + 6, P + 14, P + 15, P + 16}
-    scripted = ScriptedDraft(draft, sequence, wrong, target.args.vocab_size)
     size = P + n_new + gamma + 1
     target_cache, draft_cache = target.make_cache(size), draft.make_cache(size)
+    scripted = ScriptedDrafter(draft, draft_cache, sequence, wrong, target.args.vocab_size)
     emitted, accepted = [], []
-    for step in speculative_generate(target, scripted, prompt, Sampler(), target_cache, draft_cache, gamma):
+    for step in speculative_generate(target, scripted, prompt, Sampler(), target_cache, gamma):
         emitted += step.tokens
         accepted.append(step.accepted)
         # both caches hold the prompt and every emitted token but the last
