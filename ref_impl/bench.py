@@ -171,22 +171,33 @@ def llama_cpp_logits(path: Path, ids: Sequence[int]) -> np.ndarray:
 
 
 def forward_sweep(model: Model, lengths: Sequence[int], repeats: int = 3, budget_s: float = math.inf,
-                  seed: int = 0) -> tuple[list[int], list[float]]:
+                  seed: int = 0, offset: int = 0) -> tuple[list[int], list[float]]:
     """Median seconds of one uncached forward over L random tokens, for each L in turn (a warm-up
     pass first), on one BLAS thread so a busy machine gives stable times. Stops before an L whose
     likely cost (twice the last L's, repeats + 1 passes) would overrun budget_s; returns the
-    lengths it timed and their seconds. The flat-then-linear curve of chapter 0."""
-    tokens = mx.array(np.random.default_rng(seed).integers(0, model.args.vocab_size, (1, max(lengths))))
+    lengths it timed and their seconds. The flat-then-linear curve of chapter 0. With offset > 0
+    each forward continues after `offset` cached random tokens (a decode or speculative verify
+    step at that context) and the cache is trimmed back after it."""
+    tokens = mx.array(np.random.default_rng(seed).integers(0, model.args.vocab_size, (1, offset + max(lengths))))
+    cache = model.make_cache(offset + max(lengths)) if offset else None
+    if cache:
+        mx.eval(model(tokens[:, :offset], cache))
+
+    def forward(L: int) -> None:
+        mx.eval(model(tokens[:, offset:offset + L], cache))
+        for layer_cache in cache or ():
+            layer_cache.trim(L)
+
     timed, seconds, start = [], [], time.perf_counter()
     with blas.one_blas_thread():
         for L in lengths:
             if seconds and time.perf_counter() - start + 2 * (repeats + 1) * seconds[-1] > budget_s:
                 break
-            mx.eval(model(tokens[:, :L]))                    # warm-up
+            forward(L)                                       # warm-up
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                mx.eval(model(tokens[:, :L]))
+                forward(L)
                 times.append(time.perf_counter() - t0)
             timed.append(L)
             seconds.append(float(np.median(times)))
