@@ -7,6 +7,7 @@
     python -m ref_impl bench --model models/stdlib-10m.gguf
     python -m ref_impl bench --link --label h200
     python -m ref_impl bench --unified --label h200
+    python -m ref_impl bench --kernels --shape Llama-3.1-8B --weights Q4_K F16 --label h200
     python -m ref_impl bench --dispatch --shapes tiny Llama-3.2-1B Llama-3.1-8B --label h200
 
 Bad input (a missing or malformed file, an impossible setting) prints one line on stderr
@@ -118,13 +119,18 @@ def cmd_bench(a: argparse.Namespace) -> None:
         elif a.quant:
             records = bench_quant(Path(a.model), Path(work), a.quant, a.ppl_tokens, a.prompt_len, a.gen_tokens,
                                   a.repeats, peers=not a.no_peers)
+        elif a.kernels:
+            from .bench import bench_kernels
+            shape = a.shape or "Llama-3.1-8B"
+            records = bench_kernels(shape, args_for(shape), a.weights, Path(work), a.prompt_len, a.gen_tokens,
+                                    a.repeats, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
         elif a.shape:
             records = bench_shape(a.shape, args_for(a.shape), a.weights, Path(work), a.prompt_len, a.gen_tokens,
                                   a.repeats)
         else:
             records = bench_decode(Path(a.model), a.prompt_len, a.gen_tokens, a.repeats, peers=not a.no_peers)
     path = write_results(records, Path(a.out), "python -m ref_impl " + shlex.join(sys.argv[1:]), a.label)
-    for r in records if not a.dispatch else []:
+    for r in records if not (a.dispatch or a.kernels) else []:
         if r["metric"] in ("tokens_per_s", "ttft_ms", "heldout_perplexity", "bits_per_weight",
                            "bandwidth", "bandwidth_fraction"):
             who = r["peer"] or "ours" + (f" ({r['variant']})" if r.get("variant") else "")
@@ -139,6 +145,13 @@ def cmd_bench(a: argparse.Namespace) -> None:
                 "convert_us", "convert_bandwidth", "read_bandwidth", "export_us")):
             value = "-" if r["value"] is None else f"{r['value']:.3f}"
             print(f"  {r['variant']:<44} {r['metric']:<17} {value:>10} {r['unit']} {r.get('note', '')}")
+    for r in records if a.kernels else []:
+        if r["metric"] in ("speedup", "tokens_per_s", "kernels_per_token", "overhead_us_per_kernel", "greedy_agreement",
+                           "skipped"):
+            value = "-" if r["value"] is None else f"{r['value']:.3f}"
+            where = f"{tuple(r['shape'])} rows {r['rows']}" if "shape" in r else r["experiment"]
+            print(f"  {r['weights'] or '':<7} {where:<26} {r['variant'] or '':<36} {r['metric']:<22} {value:>10} "
+                  f"{r['unit'] or ''} {r.get('note', '')}")
     for r in records if a.dispatch else []:
         if r["metric"] in ("gain", "slowdown", "launch_us", "break_even_elements", "itl_max_ms", "first_over_steady"):
             value = "-" if r["value"] is None else f"{r['value']:.3f}"
@@ -204,6 +217,9 @@ def parser() -> argparse.ArgumentParser:
                    help="copy bandwidth: host memory (numpy) and host<->device through PyTorch if it sees a GPU")
     b.add_argument("--link-budget", type=float, default=60.0, help="seconds --link may spend on device copies")
     b.add_argument("--link-max-bytes", type=int, default=1 << 30, help="largest transfer --link times (bytes)")
+    b.add_argument("--kernels", action="store_true",
+                   help="custom CUDA GEMV kernels vs MLX's built-ins: GB/s per matrix of --shape (default "
+                        "Llama-3.1-8B), decode tok/s per --weights type with and without them; needs CUDA")
     b.add_argument("--unified", action="store_true",
                    help="numpy <-> MLX conversions (copy or share, time vs size) and first reads of fresh arrays")
     b.add_argument("--unified-max-bytes", type=int, default=256 << 20, help="largest array --unified times (bytes)")

@@ -339,34 +339,118 @@ def args_for(shape_name: str, context: int = 4096) -> ModelArgs:
                      tie_word_embeddings=s.tie_word_embeddings)
 
 
+def bandwidth_records(bw: dict[str, float]) -> list[dict]:
+    """memory_bandwidth's result as records (experiment "bandwidth"), the roof the decode records divide by."""
+    return [{"experiment": "bandwidth", "model": None, "weights": None, "kv": None, "context": None,
+             "variant": kind, "metric": "bandwidth", "unit": "GB/s", "value": v, "samples": [], "peer": None}
+            for kind, v in bw.items()]
+
+
+def random_shape_model(shape: str, args: ModelArgs, weight_type: str, work_dir: Path, seed: int = 0
+                       ) -> tuple[Model, float]:
+    """A random-weight model of args' shape as llama.cpp would type a `weight_type` file, written to a GGUF
+    in work_dir and loaded with its quantized tensors kept quantized (transcode.load_model); and its
+    bits per weight. The file is deleted once loaded."""
+    from . import transcode
+
+    path = transcode.write_random_model(work_dir / f"{shape}-{weight_type}.gguf", args, weight_type, seed)
+    with gguf.read(path) as f:
+        model = transcode.load_model(f, None)
+        weights = sum(int(np.prod(t.shape)) for t in f.tensors.values())
+        nbytes = sum(t.nbytes for t in f.tensors.values())
+    path.unlink()
+    return model, 8 * nbytes / weights
+
+
 def bench_shape(shape: str, args: ModelArgs, weight_types: Sequence[str], work_dir: Path, prompt_len: int = 128,
                 gen_tokens: int = 128, repeats: int = 3, seed: int = 0) -> list[dict]:
     """Decode speed of a random-weight model of a public model's shape (speed does not depend on the
     values), per weight type, native MLX quantization, with the share of measured bandwidth it reaches."""
-    from . import transcode
-
     work_dir.mkdir(parents=True, exist_ok=True)
     bw = memory_bandwidth()
-    records = [{"experiment": "bandwidth", "model": None, "weights": None, "kv": None, "context": None,
-                "variant": kind, "metric": "bandwidth", "unit": "GB/s", "value": v, "samples": [], "peer": None}
-               for kind, v in bw.items()]
+    records = bandwidth_records(bw)
     prompt = np.random.default_rng(seed).integers(1, args.vocab_size, size=prompt_len).tolist()
     for wt in weight_types:
-        path = transcode.write_random_model(work_dir / f"{shape}-{wt}.gguf", args, wt, seed)
-        with gguf.read(path) as f:
-            model = transcode.load_model(f, None)
-            weights = sum(int(np.prod(t.shape)) for t in f.tensors.values())
-            nbytes = sum(t.nbytes for t in f.tensors.values())
-        path.unlink()
+        model, bits_per_weight = random_shape_model(shape, args, wt, work_dir, seed)
         step_bytes = decode_bytes(model, prompt_len + gen_tokens // 2)
         tps = _summarize(ours(model, prompt, gen_tokens, repeats, pipeline=True), prompt_len)["tokens_per_s"]
         base = {"experiment": "decode-shape", "model": shape, "weights": wt, "kv": str(model.norm.weight.dtype).split(".")[-1],
                 "context": prompt_len + gen_tokens, "variant": "native", "peer": None}
-        records += [{**base, "metric": "bits_per_weight", "unit": "bits", "value": 8 * nbytes / weights, "samples": []},
+        records += [{**base, "metric": "bits_per_weight", "unit": "bits", "value": bits_per_weight, "samples": []},
                     {**base, "metric": "bytes_per_token", "unit": "B", "value": step_bytes, "samples": []},
                     {**base, "metric": "tokens_per_s", "unit": "tok/s", "value": tps[0], "samples": tps[1]},
                     {**base, "metric": "bandwidth_fraction", "unit": "fraction",
                      "value": step_bytes * tps[0] / 1e9 / max(bw.values()), "samples": []}]
+        del model
+    return records
+
+
+def bench_kernels(shape: str, args: ModelArgs, weight_types: Sequence[str], work_dir: Path, prompt_len: int = 128,
+                  gen_tokens: int = 128, repeats: int = 3, seed: int = 0,
+                  progress: Callable[[str], None] | None = None) -> list[dict]:
+    """kernels.py's CUDA GEMVs against MLX's built-ins: GB/s per matrix shape of `shape` (4-bit groups of
+    32 and 64, float16; 1 and 4 rows), then decode of a random model of `shape` per weight type without
+    and with kernels.patch: tokens/s, share of bandwidth, kernels per token, the launch overhead per
+    kernel they imply, greedy agreement and the patch's choices. Off MLX's CUDA backend: one "skipped"
+    record, at once."""
+    from . import kernels
+    from .roofline import matmul_shapes, shape_from_args
+
+    say = progress or (lambda msg: None)
+    if not kernels.on_cuda():
+        return [{"experiment": "kernels", "model": shape, "weights": None, "kv": None, "context": None,
+                 "variant": None, "metric": "skipped", "unit": None, "value": None, "samples": [], "peer": None,
+                 "note": f"skipped: needs MLX's CUDA backend; this is {mx.default_device()}"}]
+    work_dir.mkdir(parents=True, exist_ok=True)
+    bw = memory_bandwidth()
+    records = bandwidth_records(bw)
+    say(f"copy bandwidth {bw['copy']:.0f} GB/s")
+    shapes = sorted({(n, k) for k, n in matmul_shapes(shape_from_args(shape, args))})
+    for fmt in (kernels.Format(4, 32), kernels.Format(4, 64), kernels.Format(16)):
+        sweep = kernels.gemv_sweep(shapes, [fmt], (1, 4), shape, seed=seed)
+        records += sweep
+        for r in sweep:
+            if r["metric"] in ("bandwidth", "compile_error"):
+                value = "" if r["value"] is None else f"{r['value']:8.0f} GB/s"
+                say(f"gemv {r['weights']:6} {str(tuple(r['shape'])):14} rows {r['rows']}  {r['variant']:34} {value}"
+                    f"{r.get('note', '')[:300]}")
+    prompt = np.random.default_rng(seed).integers(1, args.vocab_size, size=prompt_len).tolist()
+    for wt in weight_types:
+        model, _ = random_shape_model(shape, args, wt, work_dir, seed)
+        step_bytes = decode_bytes(model, prompt_len + gen_tokens // 2)
+        base = {"experiment": "decode-kernels", "model": shape, "weights": wt,
+                "kv": str(model.norm.weight.dtype).split(".")[-1], "context": prompt_len + gen_tokens, "peer": None}
+        ids = {}
+        for variant in ("native", "kernels"):
+            if variant == "kernels":
+                for c in kernels.patch(model):
+                    chosen = c.launch.label if c.launch else kernels.BUILTIN
+                    records.append({**base, "experiment": "kernel-choice", "weights": c.fmt.name, "variant": chosen,
+                                    "metric": "time_us", "unit": "us", "value": c.seconds.get(chosen, math.nan) * 1e6,
+                                    "samples": [], "shape": [c.n, c.k], "rows": c.rows, "layers": c.layers,
+                                    "timings_us": {k: v * 1e6 for k, v in c.seconds.items()}, "errors": c.errors})
+                    say(f"patch {wt} {c.fmt.name} {(c.n, c.k)} rows {c.rows}: {chosen} "
+                        + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in c.seconds.items()) + " ".join(c.errors))
+            runs = ours(model, prompt, gen_tokens, repeats, pipeline=True)
+            ids[variant] = runs[0][2]
+            tps = _summarize(runs, prompt_len)["tokens_per_s"]
+            n_kernels = kernels.count_kernels(model)
+            overhead = (1 / tps[0] - step_bytes / (bw["copy"] * 1e9)) / n_kernels
+            records += [{**base, "variant": variant, "metric": "tokens_per_s", "unit": "tok/s", "value": tps[0],
+                         "samples": tps[1]},
+                        {**base, "variant": variant, "metric": "bandwidth_fraction", "unit": "fraction",
+                         "value": step_bytes * tps[0] / 1e9 / bw["copy"], "samples": []},
+                        {**base, "variant": variant, "metric": "kernels_per_token", "unit": "kernels", "value": n_kernels,
+                         "samples": [], "note": "compute primitives in one decode step's graph, views excluded"},
+                        {**base, "variant": variant, "metric": "overhead_us_per_kernel", "unit": "us",
+                         "value": overhead * 1e6, "samples": [],
+                         "note": "(token time - bytes_per_token / copy bandwidth) / kernels_per_token"}]
+            say(f"decode {wt} {variant}: {tps[0]:.1f} tok/s, {n_kernels} kernels/token, "
+                f"{overhead * 1e6:.2f} us/kernel beyond the bytes")
+        records += [{**base, "variant": "kernels", "metric": "bytes_per_token", "unit": "B", "value": step_bytes,
+                     "samples": []},
+                    {**base, "variant": "kernels", "metric": "greedy_agreement", "unit": "fraction",
+                     "value": float(np.mean(np.array(ids["kernels"]) == np.array(ids["native"]))), "samples": []}]
         del model
     return records
 
