@@ -482,6 +482,16 @@ def bench_dispatch(path: Path, shapes: Sequence[str] | None = None, quick: bool 
     return latency.bench_dispatch(path, shapes, plan, progress=progress)
 
 
+def bench_spec(target: Path, draft: Path, heads: Path | None = None, quick: bool = False, progress=None) -> list[dict]:
+    """Speculative decoding records ("spec-alpha", "spec-forward", "spec-speed") for the GGUF target and
+    draft, MTP heads (None: no MTP) and random-weight pairs with α set by construction, sized for this
+    device (quick: seconds on a CPU, a smoke test). See speedup.bench_spec."""
+    from . import speedup
+
+    plan = speedup.SpecPlan.for_device(mx.default_device() == mx.gpu, quick)
+    return speedup.bench_spec(target, draft, heads, plan, progress=progress)
+
+
 def _git_commit() -> str:
     """The commit of the code that ran: REF_IMPL_GIT where set (a copy of the tree on a lent GPU
     machine, whose .git, if any, need not match the files it ran), else git's answer."""

@@ -1,0 +1,496 @@
+"""What speculative decoding buys: the speedup model, and the measurements that test it.
+
+The model (Leviathan, Kalman and Matias 2023, "Fast Inference from Transformers via Speculative
+Decoding", section 3): if each of γ drafts is accepted independently with probability α, one
+verification emits E(α, γ) = (1 - α^(γ+1)) / (1 - α) tokens on average (the accepted prefix plus
+the target's own token; their eq. 1). A draft token costs c target steps and, in the paper's
+model, verifying γ+1 positions costs one target step, so the walltime speedup is
+E / (γ·c + 1) (their Theorem 3.8). Decode being bandwidth-bound is what makes the "+1" plausible;
+`speedup` also takes the measured ratio t(γ+1)/t(1) of a target forward over γ+1 positions to
+one over a single position, which on a CPU or a small model is well above 1.
+
+The measurements (`bench_spec`, `python -m ref_impl bench --spec`):
+- "spec-alpha": α per draft position and per γ on held-out text, for the shipped draft model and
+  for the MTP heads (mtp.py), and the mean tokens per verification against E(α, γ);
+- "spec-forward": target forward time against the number of positions, 1 .. γ+1, at a filled
+  cache (claim C24: verifying K tokens costs about one GEMV pass);
+- "spec-speed": end-to-end tokens/s and speedup over plain decoding for γ = 1..8, greedy, for the
+  shipped pair, MTP, and random-weight pairs whose α is set by construction (`AlphaDrafter`), so the
+  speedup surface over (α, γ, c) is measured and set against the model.
+
+See chapter: speculative-decoding
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from . import blas
+from .bench import _summarize, _time_tokens, forward_sweep, ours
+from .generate import Sampler
+from .latency import _dtype_name, _record, random_model, shape_args
+from .model import Model, ModelArgs, default_dtype, load
+from .speculative import Drafter, SpeculativeStep, speculative_decode, speculative_generate
+from .tokenizer import Tokenizer
+
+# ---- the model --------------------------------------------------------------------------------------
+
+
+def _checked(alpha, gamma, c=0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    a, g, c = np.asarray(alpha, dtype=float), np.asarray(gamma), np.asarray(c, dtype=float)
+    if np.any(~((a >= 0) & (a <= 1))):
+        raise ValueError(f"alpha is an acceptance probability, in [0, 1]; got {alpha}")
+    if g.dtype.kind not in "iu" and not np.all(np.mod(g, 1) == 0) or np.any(g < 0):
+        raise ValueError(f"gamma counts drafts per verification, an integer >= 0; got {gamma}")
+    if np.any(~(c >= 0)):
+        raise ValueError(f"c is a cost ratio (draft token / target token), >= 0; got {c}")
+    return a, g.astype(float), c
+
+
+def _scalar_or_array(x: np.ndarray) -> float | np.ndarray:
+    return float(x) if np.ndim(x) == 0 else x
+
+
+def expected_tokens(alpha, gamma) -> float | np.ndarray:
+    """E(α, γ) = (1 - α^(γ+1)) / (1 - α) = 1 + α + ... + α^γ: the mean tokens one verification emits
+    when each of γ drafts is accepted independently with probability α (γ + 1 at α = 1, 1 at
+    α = 0 or γ = 0). Leviathan et al. 2023, eq. 1. Broadcasts over arrays."""
+    a, g, _ = _checked(alpha, gamma)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        # 1 - α^(γ+1) as -expm1((γ+1) log α): no cancellation as α -> 1
+        e = -np.expm1((g + 1) * np.log(a)) / (1 - a)
+    return _scalar_or_array(np.where(a == 1, g + 1, e))
+
+
+def speedup(alpha, gamma, c, verify_ratio=1.0) -> float | np.ndarray:
+    """Walltime speedup of speculative over plain decoding: E(α, γ) / (γ·c + verify_ratio), where c is
+    a draft token's cost in target steps and verify_ratio = t(γ+1)/t(1), the cost of the target's
+    forward over γ+1 positions in single-position steps (1 in Leviathan et al. 2023, Theorem 3.8:
+    a bandwidth-bound target reads its weights once either way). γ = 0 is plain decoding: 1."""
+    a, g, c = _checked(alpha, gamma, c)
+    r = np.asarray(verify_ratio, dtype=float)
+    if np.any(~(r > 0)):
+        raise ValueError(f"verify_ratio is a time ratio t(γ+1)/t(1), > 0; got {verify_ratio}")
+    return _scalar_or_array(np.asarray(expected_tokens(a, g)) / (g * c + np.where(g == 0, 1.0, r)))
+
+
+def optimal_gamma(alpha: float, c: float, max_gamma: int = 64) -> int:
+    """The γ in 0..max_gamma with the highest model speedup (verification costing one step); 0 when no
+    draft pays. E(α, γ) is concave in γ and γ·c + 1 affine, so the speedup rises to one peak and
+    falls: walk up while it improves."""
+    _checked(alpha, max_gamma, c)
+    g = 0
+    while g < max_gamma and speedup(alpha, g + 1, c) > speedup(alpha, g, c):
+        g += 1
+    return g
+
+
+def break_even_alpha(gamma: int, c: float, verify_ratio: float = 1.0) -> float | None:
+    """The smallest α at which γ drafts per verification beat plain decoding (speedup >= 1): 0.0 if
+    they pay even when every draft is rejected, None if not even α = 1 pays. Bisection on α: E rises
+    from 1 to γ+1 as α goes from 0 to 1."""
+    if gamma < 1:
+        raise ValueError(f"gamma must be at least 1 to have a break-even acceptance, got {gamma}")
+    if speedup(0.0, gamma, c, verify_ratio) >= 1:
+        return 0.0
+    if speedup(1.0, gamma, c, verify_ratio) < 1:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if speedup(mid, gamma, c, verify_ratio) >= 1 else (mid, hi)
+    return hi
+
+
+# ---- acceptance, measured ---------------------------------------------------------------------------
+
+@dataclass
+class Acceptance:
+    """Draft acceptance counted per draft position over speculative steps. A draft is *judged* only if
+    every draft before it in its step was accepted; later ones are discarded unseen."""
+    judged: list[int] = field(default_factory=list)      # per position i: steps whose draft i was judged
+    accepted: list[int] = field(default_factory=list)    # ... and accepted
+    steps: int = 0                                       # verifications (steps that proposed drafts)
+    emitted: int = 0                                     # tokens those steps emitted
+
+    @property
+    def alpha(self) -> float:
+        """Accepted over judged drafts, all positions pooled: the α of the speedup model (its estimate
+        when acceptances are independent with one probability)."""
+        return sum(self.accepted) / sum(self.judged) if sum(self.judged) else float("nan")
+
+    @property
+    def per_position(self) -> list[float]:
+        """α at each draft position i: P(draft i accepted | drafts before it accepted)."""
+        return [a / j if j else float("nan") for a, j in zip(self.accepted, self.judged)]
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Mean tokens emitted per verification: what E(α, γ) predicts."""
+        return self.emitted / self.steps if self.steps else float("nan")
+
+
+def acceptance_by_position(steps: Sequence[SpeculativeStep], into: Acceptance | None = None) -> Acceptance:
+    """Count judged and accepted drafts per position in steps (the prefill's step, proposing none, is
+    skipped), adding to `into` when given."""
+    out = into or Acceptance()
+    for s in steps:
+        if s.proposed == 0:
+            continue
+        grow = s.proposed - len(out.judged)
+        out.judged += [0] * grow
+        out.accepted += [0] * grow
+        for i in range(min(s.accepted + 1, s.proposed)):   # drafts 0..n-1 accepted, draft n rejected
+            out.judged[i] += 1
+            out.accepted[i] += i < s.accepted
+        out.steps += 1
+        out.emitted += len(s.tokens)
+    return out
+
+
+def heldout_prompts(tokenizer: Tokenizer, n: int, length: int) -> tuple[list[list[int]], str]:
+    """n prompts of `length` tokens from the held-out files (`train.heldout_stream`), spread evenly over
+    them, each led by BOS as in training; and the corpus fingerprint."""
+    from .train import heldout_stream
+
+    stream, fingerprint = heldout_stream(tokenizer)
+    if n < 1 or length < 2 or len(stream) < n * length:
+        raise ValueError(f"cannot take {n} prompts of {length} tokens from {len(stream)} held-out tokens")
+    starts = np.linspace(0, len(stream) - length, n).astype(np.int64)
+    return [[tokenizer.bos_id, *stream[s:s + length - 1].tolist()] for s in starts], fingerprint
+
+
+Decode = Callable[[list[int], int, int, Sampler], tuple[list[int], list[SpeculativeStep]]]
+
+
+def measure_acceptance(decode: Decode, prompts: Sequence[list[int]], gamma: int, max_tokens: int,
+                       temperature: float = 0.0, seed: int = 0) -> Acceptance:
+    """Acceptance of one speculative method at one γ: decode(prompt, max_tokens, gamma, sampler), as
+    `speculative.speculative_decode` or `mtp.mtp_decode` with their models bound, after every prompt
+    (prompt i sampled with seed + i)."""
+    out = Acceptance()
+    for i, prompt in enumerate(prompts):
+        _, steps = decode(prompt, max_tokens, gamma, Sampler(temperature=temperature, seed=seed + i))
+        acceptance_by_position(steps, out)
+    return out
+
+
+# ---- a drafter whose acceptance is set by construction ----------------------------------------------
+
+class AlphaDrafter(Drafter):
+    """Runs the draft model for real (so its cost is real) but proposes the target's greedy token with
+    probability α and another token otherwise; the target's tokens come from `sequence`, a plain
+    greedy run of the target (the prompt and its continuation). Under greedy verification every
+    judged draft is then accepted independently with probability α: the speedup model's assumption,
+    made true, for a pair of random-weight models whose own agreement would be nil."""
+
+    def __init__(self, model: Model, cache: list, sequence: Sequence[int], alpha: float, seed: int = 0):
+        if not 0 <= alpha <= 1:
+            raise ValueError(f"alpha is an acceptance probability, in [0, 1]; got {alpha}")
+        super().__init__(model, cache, Sampler())
+        self.sequence, self.alpha, self.rng = list(sequence), alpha, np.random.default_rng(seed)
+
+    def pick(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        """Propose the target's token at this position (the cache's offset) with probability α, else
+        one of the other vocab_size - 1 tokens, uniformly."""
+        pos, vocab = self.cache[0].offset, logits.shape[-1]
+        if pos >= len(self.sequence):
+            raise ValueError(f"AlphaDrafter reached position {pos}, past its reference sequence "
+                             f"({len(self.sequence)} tokens): make the plain greedy run longer")
+        want = self.sequence[pos]
+        if self.rng.random() >= self.alpha:
+            want = (want + 1 + int(self.rng.integers(vocab - 1))) % vocab
+        # tie the proposal to the draft's logits, so its forward runs in the step's graph as a drawn token's would
+        token = mx.argmax(logits, axis=-1) * 0 + want                       # (1,)
+        return token, (mx.arange(vocab) == token[:, None]).astype(mx.float32)
+
+
+# ---- the benchmark ----------------------------------------------------------------------------------
+
+# Stand-ins for the CPU, where a 2-core machine decodes the Llama-3.1-8B / 3.2-1B pair far too slowly
+# (the 1B shape in float32: about 1 token/s). One vocabulary (32000), so each draft fits each target.
+STAND_INS = {
+    "random-100m": ModelArgs(32000, 768, 8, 2048, 12, 4, tie_word_embeddings=False),
+    "random-22m": ModelArgs(32000, 384, 6, 1024, 6, 2),
+    "random-4m": ModelArgs(32000, 128, 2, 384, 4, 2),
+    "tiny-draft": ModelArgs(1024, 64, 2, 128, 4, 2),       # drafts for latency's "tiny" (--quick)
+}
+
+
+def pair_args(name: str, context: int) -> ModelArgs:
+    """ModelArgs of a random-weight model for the speed pairs: a STAND_INS name, "tiny" or a public
+    Llama shape (`latency.shape_args`), with this context length."""
+    if name in STAND_INS:
+        return replace(STAND_INS[name], max_position_embeddings=context)
+    return shape_args(name, context)
+
+
+@dataclass
+class SpecPlan:
+    """Sizes for `bench_spec`; `for_device` picks them for a GPU, the CPU or a quick check."""
+    gammas: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
+    alphas: tuple[float, ...] = (0.4, 0.6, 0.8, 0.95)          # set by construction in the random pairs
+    pairs: tuple[tuple[str, str], ...] = (("Llama-3.1-8B", "Llama-3.2-1B"), ("Llama-3.1-8B", "Llama-3.2-3B"))
+    forward_shapes: tuple[str, ...] = ()     # random shapes timed in spec-forward besides the pairs'
+    prompt_len: int = 128
+    gen_tokens: int = 128                    # per timed speculative run
+    repeats: int = 2                         # timed runs per configuration, after one warm-up per method
+    alpha_prompts: int = 16                  # held-out prompts per γ in spec-alpha
+    alpha_prompt_len: int = 64
+    alpha_tokens: int = 96                   # generated after each
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    forward_repeats: int = 5
+    note: str = ""                           # written into every spec-speed and spec-forward record
+
+    @classmethod
+    def for_device(cls, gpu: bool, quick: bool = False) -> SpecPlan:
+        if quick:   # seconds on a CPU: checks that everything runs, measures nothing well
+            return cls(gammas=(1, 3), alphas=(0.6,), pairs=(("tiny", "tiny-draft"),), prompt_len=8, gen_tokens=12,
+                       repeats=1, alpha_prompts=2, alpha_prompt_len=16, alpha_tokens=12, temperatures=(0.0,),
+                       forward_repeats=1, note="quick: tiny sizes, a smoke test")
+        if gpu:
+            return cls()
+        return cls(pairs=(("random-100m", "random-4m"), ("random-100m", "random-22m")),
+                   forward_shapes=("Llama-3.2-1B",), prompt_len=64, gen_tokens=48, repeats=1, alpha_prompts=6,
+                   alpha_tokens=40, forward_repeats=3,
+                   note="CPU, one BLAS thread; random-100m with random-4m/random-22m drafts stand in for the "
+                        "Llama-3.1-8B/3.2-1B pair, which a 2-core CPU decodes at about 1 token/s")
+
+
+def _steps_stream(make_steps: Callable[[], Iterator[SpeculativeStep]], log: list) -> Iterator[int]:
+    """The tokens of a fresh run of make_steps, one at a time (as `bench._time_tokens` pulls them); its
+    steps go to log."""
+    log.clear()
+    for step in make_steps():
+        log.append(step)
+        yield from step.tokens
+
+
+def _time_runs(make_steps: Callable[[], Iterator[SpeculativeStep]], n: int,
+               repeats: int) -> tuple[list, list[SpeculativeStep]]:
+    """`repeats` timed runs of n tokens (bench's (start, token times, ids) each) and the last run's steps."""
+    log: list[SpeculativeStep] = []
+    runs = [_time_tokens(_steps_stream(make_steps, log), n) for _ in range(repeats)]
+    mx.synchronize()
+    return runs, list(log)
+
+
+def _median_s(fn: Callable[[], mx.array], repeats: int) -> float:
+    mx.eval(fn())                                                           # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def bench_spec(target_path: str | Path, draft_path: str | Path, heads_path: str | Path | None = None,
+               plan: SpecPlan | None = None, seed: int = 0, progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Every measurement of this module as results records ("spec-alpha", "spec-forward", "spec-speed")
+    for the GGUF target and draft, the MTP heads at heads_path (None: no MTP) and the random pairs of
+    `plan` (default: SpecPlan.for_device). On the CPU everything runs on one BLAS thread, as
+    `bench.forward_sweep` times, so forward times and decode speeds are taken alike."""
+    gpu = mx.default_device() == mx.gpu
+    plan = plan or SpecPlan.for_device(gpu)
+    say = progress or (lambda msg: None)
+    for t, d in plan.pairs:                                                 # a bad pair fails before anything runs
+        if pair_args(t, 64).vocab_size != pair_args(d, 64).vocab_size:
+            raise ValueError(f"the random pair {t} / {d} has two vocabularies: a draft must share its target's")
+    for name in plan.forward_shapes:
+        pair_args(name, 64)
+    dtype = default_dtype()
+    (target, tokenizer), (draft, _) = load(target_path, dtype), load(draft_path, dtype)
+    if draft.args.vocab_size != target.args.vocab_size:
+        raise ValueError(f"the draft's vocabulary ({draft.args.vocab_size}) is not the target's "
+                         f"({target.args.vocab_size})")
+    names = {"target": Path(target_path).stem, "draft": Path(draft_path).stem}
+    heads = None
+    if heads_path is not None:
+        from . import mtp
+        heads = mtp.load_heads(heads_path, target, dtype)
+        names["mtp"] = Path(heads_path).stem
+    mtp_gammas = [g for g in plan.gammas if heads is not None and g <= heads.k]
+    with blas.one_blas_thread():
+        rec = _alpha_records(plan, target, draft, heads, tokenizer, names, mtp_gammas, say, seed)
+        rec += _speed_records(plan, target, draft, heads, tokenizer, names, mtp_gammas, say, seed)
+    return rec
+
+
+def _alpha_records(plan: SpecPlan, target: Model, draft: Model, heads, tokenizer: Tokenizer, names: dict,
+                   mtp_gammas: list[int], say: Callable[[str], None], seed: int) -> list[dict]:
+    """spec-alpha: acceptance per position and per γ on held-out prompts, and tokens per verification
+    against E(α, γ) at the pooled α."""
+    from . import mtp
+
+    prompts, fingerprint = heldout_prompts(tokenizer, plan.alpha_prompts, plan.alpha_prompt_len)
+    methods = [("draft-model", names["draft"], list(plan.gammas),
+                lambda p, n, g, s: speculative_decode(target, draft, p, n, g, s))]
+    if heads is not None:
+        methods.append(("mtp", names["mtp"], mtp_gammas, lambda p, n, g, s: mtp.mtp_decode(target, heads, p, n, g, s)))
+    weights = _dtype_name(target).upper()
+    rec = []
+    for variant, drafter, gammas, decode in methods:
+        for temperature in plan.temperatures:
+            say(f"spec-alpha: {variant} ({drafter}), temperature {temperature}")
+            judged = accepted = 0
+            extra = {"drafter": drafter, "temperature": temperature, "prompts": len(prompts),
+                     "tokens": plan.alpha_tokens, "corpus_sha256": fingerprint}
+            base = ("spec-alpha", names["target"], weights, _dtype_name(target), plan.alpha_prompt_len + plan.alpha_tokens,
+                    variant)
+            for g in gammas:
+                acc = measure_acceptance(decode, prompts, g, plan.alpha_tokens, temperature, seed)
+                judged, accepted = judged + sum(acc.judged), accepted + sum(acc.accepted)
+                model = expected_tokens(acc.alpha, g)
+                rec += [_record(*base, "alpha", "fraction", acc.alpha, gamma=g, judged=sum(acc.judged), **extra),
+                        _record(*base, "acceptance_rate", "fraction", sum(acc.accepted) / (g * acc.steps), gamma=g, **extra),
+                        _record(*base, "tokens_per_step", "tokens", acc.tokens_per_step, gamma=g, steps=acc.steps, **extra),
+                        _record(*base, "tokens_per_step_model", "tokens", model, gamma=g, **extra)]
+                rec += [_record(*base, "alpha_position", "fraction", a, gamma=g, position=i + 1, judged=j, **extra)
+                        for i, (a, j) in enumerate(zip(acc.per_position, acc.judged)) if j]
+            rec.append(_record(*base, "alpha", "fraction", accepted / judged, gamma=None, judged=judged, **extra))
+    return rec
+
+
+def _forward_records(name: str, model: Model, plan: SpecPlan, offset: int) -> tuple[list[dict], dict[int, float]]:
+    """spec-forward records of one model (forward over 1..γmax+1 positions after `offset` cached tokens)
+    and the verify ratios t(γ+1)/t(1) by γ."""
+    lengths, seconds = forward_sweep(model, range(1, max(plan.gammas) + 2), plan.forward_repeats, offset=offset)
+    kv = _dtype_name(model)
+    rec = []
+    for L, s in zip(lengths, seconds):
+        base = ("spec-forward", name, kv.upper(), kv, offset + L, None)
+        rec += [_record(*base, "forward_ms", "ms", s * 1e3, positions=L, offset=offset, note=plan.note),
+                _record(*base, "forward_ratio", "ratio", s / seconds[0], positions=L, offset=offset, note=plan.note)]
+    return rec, {L - 1: s / seconds[0] for L, s in zip(lengths, seconds) if L > 1}
+
+
+def _plain(model: Model, prompt: list[int], n: int, repeats: int, pipeline: bool = True) -> tuple[float, list, list[int]]:
+    """Plain greedy decoding (`bench.ours`): median tokens/s, per-run tokens/s, and the last run's tokens."""
+    runs = ours(model, prompt, n, repeats, pipeline)
+    mx.synchronize()
+    tps = _summarize(runs, len(prompt))["tokens_per_s"]
+    return tps[0], tps[1], runs[-1][2]
+
+
+@dataclass
+class _Method:
+    """One speculative method against its target's plain decoding, for `_method_records`."""
+    target: str
+    model: Model
+    variant: str                                   # "draft-model", "mtp" or "alpha-set"
+    drafter: str
+    make_steps: Callable[[int], Iterator[SpeculativeStep]]   # γ -> a fresh step generator
+    plain_tps: float
+    reference: list[int]                           # the plain greedy tokens after the prompt
+    cost: Callable[[int], float]                   # γ -> c, a draft token's cost in target steps
+    verify: dict[int, float]                       # γ -> t(γ+1)/t(1)
+    alpha_set: float | None = None
+
+
+def _method_records(m: _Method, gammas: Sequence[int], plan: SpecPlan) -> list[dict]:
+    """spec-speed records of one method for each γ: tokens/s, speedup over plain, α and tokens per
+    verification realized, greedy agreement with plain decoding, and the model's speedup at the
+    realized α and measured c (verification costing one step, and costing the measured ratio)."""
+    n, P = plan.gen_tokens, plan.prompt_len
+    _time_runs(lambda: m.make_steps(max(gammas)), n, 1)                   # warm-up
+    kv = _dtype_name(m.model)
+    rec = []
+    for g in gammas:
+        runs, steps = _time_runs(lambda: m.make_steps(g), n, plan.repeats)
+        tps = _summarize(runs, P)["tokens_per_s"]
+        acc = acceptance_by_position(steps)
+        c, r = m.cost(g), m.verify.get(g, float("nan"))
+        agree = float(np.mean(np.array(runs[-1][2]) == np.array(m.reference[:n])))
+        base = ("spec-speed", m.target, kv.upper(), kv, P + n, m.variant)
+        extra = {"drafter": m.drafter, "gamma": g, "alpha_set": m.alpha_set, "note": plan.note}
+        rec += [_record(*base, "tokens_per_s", "tok/s", tps[0], tps[1], **extra),
+                _record(*base, "speedup", "ratio", tps[0] / m.plain_tps, [t / m.plain_tps for t in tps[1]], **extra),
+                _record(*base, "alpha", "fraction", acc.alpha, judged=sum(acc.judged), **extra),
+                _record(*base, "tokens_per_step", "tokens", acc.tokens_per_step, steps=acc.steps, **extra),
+                _record(*base, "cost_ratio", "ratio", c, **extra),
+                _record(*base, "speedup_model", "ratio", speedup(acc.alpha, g, c), **extra),
+                _record(*base, "speedup_model_verify", "ratio", speedup(acc.alpha, g, c, r) if r == r else None,
+                        verify_ratio=r, **extra),
+                _record(*base, "greedy_agreement", "fraction", agree, **extra)]
+    return rec
+
+
+def _speed_records(plan: SpecPlan, target: Model, draft: Model, heads, tokenizer: Tokenizer, names: dict,
+                   mtp_gammas: list[int], say: Callable[[str], None], seed: int) -> list[dict]:
+    """spec-forward and spec-speed records: the shipped pair and MTP on a held-out prompt, then each
+    random pair with α set by construction on a random prompt."""
+    from . import mtp
+
+    n, P, max_gamma = plan.gen_tokens, plan.prompt_len, max(plan.gammas)
+    ctx, offset, n_ref = P + n + max_gamma + 2, P + n // 2, n + max_gamma + 1
+    note = {"note": plan.note}
+    say(f"spec-forward, spec-speed: {names['target']} with {names['draft']}")
+    rec, verify = _forward_records(names["target"], target, plan, offset)
+    prompt = heldout_prompts(tokenizer, 1, P)[0][0]
+    plain_tps, plain_runs, reference = _plain(target, prompt, n_ref, plan.repeats)
+    draft_tps, draft_runs, _ = _plain(draft, prompt, n_ref, plan.repeats)
+    sync_tps, sync_runs, _ = _plain(target, prompt, n_ref, plan.repeats, pipeline=False)
+    kv = _dtype_name(target)
+    rec += [_record("spec-speed", names["target"], kv.upper(), kv, P + n_ref, "plain", "tokens_per_s", "tok/s",
+                    plain_tps, plain_runs, **note),
+            _record("spec-speed", names["target"], kv.upper(), kv, P + n_ref, "plain-sync", "tokens_per_s", "tok/s",
+                    sync_tps, sync_runs, **note),
+            _record("spec-speed", names["draft"], kv.upper(), kv, P + n_ref, "plain", "tokens_per_s", "tok/s",
+                    draft_tps, draft_runs, role="draft", **note)]
+
+    def pair_steps(g: int) -> Iterator[SpeculativeStep]:
+        return speculative_generate(target, Drafter(draft, draft.make_cache(ctx), Sampler()), prompt, Sampler(),
+                                    target.make_cache(ctx), g)
+    rec += _method_records(_Method(names["target"], target, "draft-model", names["draft"], pair_steps, plain_tps,
+                                   reference, lambda g: plain_tps / draft_tps, verify), plan.gammas, plan)
+    if heads is not None:
+        say(f"spec-speed: {names['target']} with MTP heads {names['mtp']}")
+        h = mx.random.normal((target.args.hidden_size,), key=mx.random.key(seed)).astype(target.norm.weight.dtype)
+        heads_s = {g: _median_s(lambda: target.logits(heads(h, g)), plan.forward_repeats) for g in mtp_gammas}
+
+        def mtp_steps(g: int) -> Iterator[SpeculativeStep]:
+            return mtp.mtp_generate(target, heads, prompt, Sampler(), target.make_cache(ctx), g)
+        # the heads draft all γ tokens in one pass: c is that pass's time, per draft, in plain decode steps
+        rec += _method_records(_Method(names["target"], target, "mtp", names["mtp"], mtp_steps, plain_tps, reference,
+                                       lambda g: heads_s[g] * plain_tps / g, verify), mtp_gammas, plan)
+
+    models, verifies = {}, {}
+    for i, name in enumerate(dict.fromkeys([s for pair in plan.pairs for s in pair] + list(plan.forward_shapes))):
+        say(f"spec-forward: random {name}")
+        model = random_model(pair_args(name, ctx), seed=seed + i)
+        forward, verifies[name] = _forward_records(name, model, plan, offset)
+        rec += forward
+        if any(name in pair for pair in plan.pairs):
+            models[name] = model
+        del model
+        gc.collect()
+        mx.clear_cache()
+    plains = {}
+    for target_name, draft_name in plan.pairs:
+        t, d = models[target_name], models[draft_name]
+        rprompt = np.random.default_rng(seed).integers(1, t.args.vocab_size, size=P).tolist()
+        for name, model in ((target_name, t), (draft_name, d)):
+            if name not in plains:
+                say(f"spec-speed: plain decoding of random {name}")
+                plains[name] = _plain(model, rprompt, n_ref, plan.repeats)
+                kv = _dtype_name(model)
+                rec.append(_record("spec-speed", name, kv.upper(), kv, P + n_ref, "plain", "tokens_per_s", "tok/s",
+                                   plains[name][0], plains[name][1], **note))
+        (t_tps, _, reference), d_tps = plains[target_name], plains[draft_name][0]
+        for alpha in plan.alphas:
+            say(f"spec-speed: random {target_name} with {draft_name}, alpha set to {alpha}")
+
+            def alpha_steps(g: int, alpha=alpha) -> Iterator[SpeculativeStep]:
+                drafter = AlphaDrafter(d, d.make_cache(ctx), rprompt + reference, alpha, seed)
+                return speculative_generate(t, drafter, rprompt, Sampler(), t.make_cache(ctx), g)
+            rec += _method_records(_Method(target_name, t, "alpha-set", draft_name, alpha_steps, t_tps, reference,
+                                           lambda g: t_tps / d_tps, verifies[target_name], alpha), plan.gammas, plan)
+    return rec
