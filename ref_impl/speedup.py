@@ -23,11 +23,11 @@ See chapter: speculative-decoding
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
@@ -39,6 +39,9 @@ from .latency import _dtype_name, _record, random_model, shape_args
 from .model import Model, ModelArgs, default_dtype, load
 from .speculative import Drafter, SpeculativeStep, speculative_decode, speculative_generate
 from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .mtp import MTPHeads
 
 # ---- the model --------------------------------------------------------------------------------------
 
@@ -214,8 +217,9 @@ class AlphaDrafter(Drafter):
 
 # ---- the benchmark ----------------------------------------------------------------------------------
 
-# Stand-ins for the CPU, where a 2-core machine decodes the Llama-3.1-8B / 3.2-1B pair far too slowly
-# (the 1B shape in float32: about 1 token/s). One vocabulary (32000), so each draft fits each target.
+# Stand-ins for the CPU, where the Llama-3.1-8B / 3.2-1B pair does not fit the bench's minutes (the 8B
+# shape holds 32 GB of float32 weights, the 1B 5 GB, each read once per token). One vocabulary (32000),
+# so each draft fits each target.
 STAND_INS = {
     "random-100m": ModelArgs(32000, 768, 8, 2048, 12, 4, tie_word_embeddings=False),
     "random-22m": ModelArgs(32000, 384, 6, 1024, 6, 2),
@@ -238,7 +242,6 @@ class SpecPlan:
     gammas: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
     alphas: tuple[float, ...] = (0.4, 0.6, 0.8, 0.95)          # set by construction in the random pairs
     pairs: tuple[tuple[str, str], ...] = (("Llama-3.1-8B", "Llama-3.2-1B"), ("Llama-3.1-8B", "Llama-3.2-3B"))
-    forward_shapes: tuple[str, ...] = ()     # random shapes timed in spec-forward besides the pairs'
     prompt_len: int = 128
     gen_tokens: int = 128                    # per timed speculative run
     repeats: int = 2                         # timed runs per configuration, after one warm-up per method
@@ -257,11 +260,10 @@ class SpecPlan:
                        forward_repeats=1, note="quick: tiny sizes, a smoke test")
         if gpu:
             return cls()
-        return cls(pairs=(("random-100m", "random-4m"), ("random-100m", "random-22m")),
-                   forward_shapes=("Llama-3.2-1B",), prompt_len=64, gen_tokens=48, repeats=1, alpha_prompts=6,
-                   alpha_tokens=40, forward_repeats=3,
-                   note="CPU, one BLAS thread; random-100m with random-4m/random-22m drafts stand in for the "
-                        "Llama-3.1-8B/3.2-1B pair, which a 2-core CPU decodes at about 1 token/s")
+        return cls(pairs=(("random-100m", "random-4m"), ("random-100m", "random-22m")), prompt_len=64,
+                   gen_tokens=48, repeats=1, alpha_prompts=6, alpha_tokens=40, forward_repeats=3,
+                   note="CPU, one BLAS thread; random-100m with random-4m and random-22m drafts stand in for "
+                        "the Llama-3.1-8B / 3.2-1B pair (float32 weights of 32 and 5 GB)")
 
 
 def _steps_stream(make_steps: Callable[[], Iterator[SpeculativeStep]], log: list) -> Iterator[int]:
@@ -304,8 +306,6 @@ def bench_spec(target_path: str | Path, draft_path: str | Path, heads_path: str 
     for t, d in plan.pairs:                                                 # a bad pair fails before anything runs
         if pair_args(t, 64).vocab_size != pair_args(d, 64).vocab_size:
             raise ValueError(f"the random pair {t} / {d} has two vocabularies: a draft must share its target's")
-    for name in plan.forward_shapes:
-        pair_args(name, 64)
     dtype = default_dtype()
     (target, tokenizer), (draft, _) = load(target_path, dtype), load(draft_path, dtype)
     if draft.args.vocab_size != target.args.vocab_size:
@@ -324,16 +324,15 @@ def bench_spec(target_path: str | Path, draft_path: str | Path, heads_path: str 
     return rec
 
 
-def _alpha_records(plan: SpecPlan, target: Model, draft: Model, heads, tokenizer: Tokenizer, names: dict,
+def _alpha_records(plan: SpecPlan, target: Model, draft: Model, heads: MTPHeads | None, tokenizer: Tokenizer, names: dict,
                    mtp_gammas: list[int], say: Callable[[str], None], seed: int) -> list[dict]:
     """spec-alpha: acceptance per position and per γ on held-out prompts, and tokens per verification
     against E(α, γ) at the pooled α."""
-    from . import mtp
-
     prompts, fingerprint = heldout_prompts(tokenizer, plan.alpha_prompts, plan.alpha_prompt_len)
     methods = [("draft-model", names["draft"], list(plan.gammas),
                 lambda p, n, g, s: speculative_decode(target, draft, p, n, g, s))]
     if heads is not None:
+        from . import mtp
         methods.append(("mtp", names["mtp"], mtp_gammas, lambda p, n, g, s: mtp.mtp_decode(target, heads, p, n, g, s)))
     weights = _dtype_name(target).upper()
     rec = []
@@ -372,12 +371,17 @@ def _forward_records(name: str, model: Model, plan: SpecPlan, offset: int) -> tu
     return rec, {L - 1: s / seconds[0] for L, s in zip(lengths, seconds) if L > 1}
 
 
-def _plain(model: Model, prompt: list[int], n: int, repeats: int, pipeline: bool = True) -> tuple[float, list, list[int]]:
-    """Plain greedy decoding (`bench.ours`): median tokens/s, per-run tokens/s, and the last run's tokens."""
-    runs = ours(model, prompt, n, repeats, pipeline)
+def _plain(name: str, model: Model, prompt: list[int], n: int, plan: SpecPlan, pipeline: bool = True,
+           **extra) -> tuple[dict, float, list[int]]:
+    """Plain greedy decoding of n tokens (`bench.ours`, async_eval-pipelined or not): its spec-speed
+    record, the median tokens/s, and the last run's tokens."""
+    runs = ours(model, prompt, n, plan.repeats, pipeline)
     mx.synchronize()
     tps = _summarize(runs, len(prompt))["tokens_per_s"]
-    return tps[0], tps[1], runs[-1][2]
+    kv = _dtype_name(model)
+    record = _record("spec-speed", name, kv.upper(), kv, len(prompt) + n, "plain" if pipeline else "plain-sync",
+                     "tokens_per_s", "tok/s", tps[0], tps[1], note=plan.note, **extra)
+    return record, tps[0], runs[-1][2]
 
 
 @dataclass
@@ -423,28 +427,18 @@ def _method_records(m: _Method, gammas: Sequence[int], plan: SpecPlan) -> list[d
     return rec
 
 
-def _speed_records(plan: SpecPlan, target: Model, draft: Model, heads, tokenizer: Tokenizer, names: dict,
+def _speed_records(plan: SpecPlan, target: Model, draft: Model, heads: MTPHeads | None, tokenizer: Tokenizer, names: dict,
                    mtp_gammas: list[int], say: Callable[[str], None], seed: int) -> list[dict]:
     """spec-forward and spec-speed records: the shipped pair and MTP on a held-out prompt, then each
     random pair with α set by construction on a random prompt."""
-    from . import mtp
-
     n, P, max_gamma = plan.gen_tokens, plan.prompt_len, max(plan.gammas)
     ctx, offset, n_ref = P + n + max_gamma + 2, P + n // 2, n + max_gamma + 1
-    note = {"note": plan.note}
     say(f"spec-forward, spec-speed: {names['target']} with {names['draft']}")
     rec, verify = _forward_records(names["target"], target, plan, offset)
     prompt = heldout_prompts(tokenizer, 1, P)[0][0]
-    plain_tps, plain_runs, reference = _plain(target, prompt, n_ref, plan.repeats)
-    draft_tps, draft_runs, _ = _plain(draft, prompt, n_ref, plan.repeats)
-    sync_tps, sync_runs, _ = _plain(target, prompt, n_ref, plan.repeats, pipeline=False)
-    kv = _dtype_name(target)
-    rec += [_record("spec-speed", names["target"], kv.upper(), kv, P + n_ref, "plain", "tokens_per_s", "tok/s",
-                    plain_tps, plain_runs, **note),
-            _record("spec-speed", names["target"], kv.upper(), kv, P + n_ref, "plain-sync", "tokens_per_s", "tok/s",
-                    sync_tps, sync_runs, **note),
-            _record("spec-speed", names["draft"], kv.upper(), kv, P + n_ref, "plain", "tokens_per_s", "tok/s",
-                    draft_tps, draft_runs, role="draft", **note)]
+    plain, plain_tps, reference = _plain(names["target"], target, prompt, n_ref, plan, role="target")
+    draft_plain, draft_tps, _ = _plain(names["draft"], draft, prompt, n_ref, plan, role="draft")
+    rec += [plain, draft_plain, _plain(names["target"], target, prompt, n_ref, plan, False, role="target")[0]]
 
     def pair_steps(g: int) -> Iterator[SpeculativeStep]:
         return speculative_generate(target, Drafter(draft, draft.make_cache(ctx), Sampler()), prompt, Sampler(),
@@ -452,6 +446,7 @@ def _speed_records(plan: SpecPlan, target: Model, draft: Model, heads, tokenizer
     rec += _method_records(_Method(names["target"], target, "draft-model", names["draft"], pair_steps, plain_tps,
                                    reference, lambda g: plain_tps / draft_tps, verify), plan.gammas, plan)
     if heads is not None:
+        from . import mtp
         say(f"spec-speed: {names['target']} with MTP heads {names['mtp']}")
         h = mx.random.normal((target.args.hidden_size,), key=mx.random.key(seed)).astype(target.norm.weight.dtype)
         heads_s = {g: _median_s(lambda: target.logits(heads(h, g)), plan.forward_repeats) for g in mtp_gammas}
@@ -463,28 +458,22 @@ def _speed_records(plan: SpecPlan, target: Model, draft: Model, heads, tokenizer
                                        lambda g: heads_s[g] * plain_tps / g, verify), mtp_gammas, plan)
 
     models, verifies = {}, {}
-    for i, name in enumerate(dict.fromkeys([s for pair in plan.pairs for s in pair] + list(plan.forward_shapes))):
+    for i, name in enumerate(dict.fromkeys(s for pair in plan.pairs for s in pair)):
         say(f"spec-forward: random {name}")
         model = random_model(pair_args(name, ctx), seed=seed + i)
         forward, verifies[name] = _forward_records(name, model, plan, offset)
         rec += forward
-        if any(name in pair for pair in plan.pairs):
-            models[name] = model
-        del model
-        gc.collect()
-        mx.clear_cache()
+        models[name] = model
     plains = {}
     for target_name, draft_name in plan.pairs:
         t, d = models[target_name], models[draft_name]
         rprompt = np.random.default_rng(seed).integers(1, t.args.vocab_size, size=P).tolist()
-        for name, model in ((target_name, t), (draft_name, d)):
+        for name, model, role in ((target_name, t, "target"), (draft_name, d, "draft")):
             if name not in plains:
                 say(f"spec-speed: plain decoding of random {name}")
-                plains[name] = _plain(model, rprompt, n_ref, plan.repeats)
-                kv = _dtype_name(model)
-                rec.append(_record("spec-speed", name, kv.upper(), kv, P + n_ref, "plain", "tokens_per_s", "tok/s",
-                                   plains[name][0], plains[name][1], **note))
-        (t_tps, _, reference), d_tps = plains[target_name], plains[draft_name][0]
+                plains[name] = _plain(name, model, rprompt, n_ref, plan, role=role)
+                rec.append(plains[name][0])
+        (_, t_tps, reference), d_tps = plains[target_name], plains[draft_name][1]
         for alpha in plan.alphas:
             say(f"spec-speed: random {target_name} with {draft_name}, alpha set to {alpha}")
 
