@@ -7,7 +7,7 @@ the target's own token; their eq. 1). A draft token costs c target steps and, in
 model, verifying γ+1 positions costs one target step, so the walltime speedup is
 E / (γ·c + 1) (their Theorem 3.8). Decode being bandwidth-bound is what makes the "+1" plausible;
 `speedup` also takes the measured ratio t(γ+1)/t(1) of a target forward over γ+1 positions to
-one over a single position, which on a CPU or a small model is well above 1.
+one over a single position, since that is a claim to check (C24), not a given.
 
 The measurements (`bench_spec`, `python -m ref_impl bench --spec`):
 - "spec-alpha": α per draft position and per γ on held-out text, for the shipped draft model and
@@ -43,10 +43,12 @@ from .tokenizer import Tokenizer
 if TYPE_CHECKING:
     from .mtp import MTPHeads
 
+Scalars = float | np.ndarray      # the model's functions take and give floats, or arrays that broadcast
+
 # ---- the model --------------------------------------------------------------------------------------
 
 
-def _checked(alpha, gamma, c=0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _checked(alpha: Scalars, gamma: Scalars, c: Scalars = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     a, g, c = np.asarray(alpha, dtype=float), np.asarray(gamma), np.asarray(c, dtype=float)
     if np.any(~((a >= 0) & (a <= 1))):
         raise ValueError(f"alpha is an acceptance probability, in [0, 1]; got {alpha}")
@@ -57,11 +59,11 @@ def _checked(alpha, gamma, c=0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return a, g.astype(float), c
 
 
-def _scalar_or_array(x: np.ndarray) -> float | np.ndarray:
+def _scalar_or_array(x: np.ndarray) -> Scalars:
     return float(x) if np.ndim(x) == 0 else x
 
 
-def expected_tokens(alpha, gamma) -> float | np.ndarray:
+def expected_tokens(alpha: Scalars, gamma: Scalars) -> Scalars:
     """E(α, γ) = (1 - α^(γ+1)) / (1 - α) = 1 + α + ... + α^γ: the mean tokens one verification emits
     when each of γ drafts is accepted independently with probability α (γ + 1 at α = 1, 1 at
     α = 0 or γ = 0). Leviathan et al. 2023, eq. 1. Broadcasts over arrays."""
@@ -72,7 +74,7 @@ def expected_tokens(alpha, gamma) -> float | np.ndarray:
     return _scalar_or_array(np.where(a == 1, g + 1, e))
 
 
-def speedup(alpha, gamma, c, verify_ratio=1.0) -> float | np.ndarray:
+def speedup(alpha: Scalars, gamma: Scalars, c: Scalars, verify_ratio: Scalars = 1.0) -> Scalars:
     """Walltime speedup of speculative over plain decoding: E(α, γ) / (γ·c + verify_ratio), where c is
     a draft token's cost in target steps and verify_ratio = t(γ+1)/t(1), the cost of the target's
     forward over γ+1 positions in single-position steps (1 in Leviathan et al. 2023, Theorem 3.8:
@@ -295,7 +297,8 @@ def _median_s(fn: Callable[[], mx.array], repeats: int) -> float:
 
 
 def bench_spec(target_path: str | Path, draft_path: str | Path, heads_path: str | Path | None = None,
-               plan: SpecPlan | None = None, seed: int = 0, progress: Callable[[str], None] | None = None) -> list[dict]:
+               plan: SpecPlan | None = None, seed: int = 0,
+               progress: Callable[[str], None] | None = None) -> list[dict]:
     """Every measurement of this module as results records ("spec-alpha", "spec-forward", "spec-speed")
     for the GGUF target and draft, the MTP heads at heads_path (None: no MTP) and the random pairs of
     `plan` (default: SpecPlan.for_device). On the CPU everything runs on one BLAS thread, as
@@ -324,8 +327,8 @@ def bench_spec(target_path: str | Path, draft_path: str | Path, heads_path: str 
     return rec
 
 
-def _alpha_records(plan: SpecPlan, target: Model, draft: Model, heads: MTPHeads | None, tokenizer: Tokenizer, names: dict,
-                   mtp_gammas: list[int], say: Callable[[str], None], seed: int) -> list[dict]:
+def _alpha_records(plan: SpecPlan, target: Model, draft: Model, heads: MTPHeads | None, tokenizer: Tokenizer,
+                   names: dict, mtp_gammas: list[int], say: Callable[[str], None], seed: int) -> list[dict]:
     """spec-alpha: acceptance per position and per γ on held-out prompts, and tokens per verification
     against E(α, γ) at the pooled α."""
     prompts, fingerprint = heldout_prompts(tokenizer, plan.alpha_prompts, plan.alpha_prompt_len)
@@ -334,7 +337,8 @@ def _alpha_records(plan: SpecPlan, target: Model, draft: Model, heads: MTPHeads 
     if heads is not None:
         from . import mtp
         methods.append(("mtp", names["mtp"], mtp_gammas, lambda p, n, g, s: mtp.mtp_decode(target, heads, p, n, g, s)))
-    weights = _dtype_name(target).upper()
+    kv = _dtype_name(target)
+    context = plan.alpha_prompt_len + plan.alpha_tokens
     rec = []
     for variant, drafter, gammas, decode in methods:
         for temperature in plan.temperatures:
@@ -342,16 +346,17 @@ def _alpha_records(plan: SpecPlan, target: Model, draft: Model, heads: MTPHeads 
             judged = accepted = 0
             extra = {"drafter": drafter, "temperature": temperature, "prompts": len(prompts),
                      "tokens": plan.alpha_tokens, "corpus_sha256": fingerprint}
-            base = ("spec-alpha", names["target"], weights, _dtype_name(target), plan.alpha_prompt_len + plan.alpha_tokens,
-                    variant)
+            base = ("spec-alpha", names["target"], kv.upper(), kv, context, variant)
             for g in gammas:
                 acc = measure_acceptance(decode, prompts, g, plan.alpha_tokens, temperature, seed)
                 judged, accepted = judged + sum(acc.judged), accepted + sum(acc.accepted)
-                model = expected_tokens(acc.alpha, g)
+                rate = sum(acc.accepted) / (g * acc.steps)
                 rec += [_record(*base, "alpha", "fraction", acc.alpha, gamma=g, judged=sum(acc.judged), **extra),
-                        _record(*base, "acceptance_rate", "fraction", sum(acc.accepted) / (g * acc.steps), gamma=g, **extra),
-                        _record(*base, "tokens_per_step", "tokens", acc.tokens_per_step, gamma=g, steps=acc.steps, **extra),
-                        _record(*base, "tokens_per_step_model", "tokens", model, gamma=g, **extra)]
+                        _record(*base, "acceptance_rate", "fraction", rate, gamma=g, **extra),
+                        _record(*base, "tokens_per_step", "tokens", acc.tokens_per_step, gamma=g, steps=acc.steps,
+                                **extra),
+                        _record(*base, "tokens_per_step_model", "tokens", expected_tokens(acc.alpha, g), gamma=g,
+                                **extra)]
                 rec += [_record(*base, "alpha_position", "fraction", a, gamma=g, position=i + 1, judged=j, **extra)
                         for i, (a, j) in enumerate(zip(acc.per_position, acc.judged)) if j]
             rec.append(_record(*base, "alpha", "fraction", accepted / judged, gamma=None, judged=judged, **extra))
@@ -427,8 +432,8 @@ def _method_records(m: _Method, gammas: Sequence[int], plan: SpecPlan) -> list[d
     return rec
 
 
-def _speed_records(plan: SpecPlan, target: Model, draft: Model, heads: MTPHeads | None, tokenizer: Tokenizer, names: dict,
-                   mtp_gammas: list[int], say: Callable[[str], None], seed: int) -> list[dict]:
+def _speed_records(plan: SpecPlan, target: Model, draft: Model, heads: MTPHeads | None, tokenizer: Tokenizer,
+                   names: dict, mtp_gammas: list[int], say: Callable[[str], None], seed: int) -> list[dict]:
     """spec-forward and spec-speed records: the shipped pair and MTP on a held-out prompt, then each
     random pair with α set by construction on a random prompt."""
     n, P, max_gamma = plan.gen_tokens, plan.prompt_len, max(plan.gammas)

@@ -63,8 +63,10 @@ def test_break_even_alpha():
     assert break_even_alpha(2, 1.6) is None                    # 1 + 2 * 1.6 > 3 tokens at best: never pays
 
 
-@pytest.mark.parametrize("call, word", [(lambda: expected_tokens(1.2, 3), "alpha"), (lambda: expected_tokens(0.5, -1), "gamma"),
-                                        (lambda: expected_tokens(0.5, 1.5), "gamma"), (lambda: speedup(0.5, 2, -0.1), "c"),
+@pytest.mark.parametrize("call, word", [(lambda: expected_tokens(1.2, 3), "alpha"),
+                                        (lambda: expected_tokens(0.5, -1), "gamma"),
+                                        (lambda: expected_tokens(0.5, 1.5), "gamma"),
+                                        (lambda: speedup(0.5, 2, -0.1), "c"),
                                         (lambda: speedup(0.5, 2, 0.1, 0), "verify_ratio"),
                                         (lambda: optimal_gamma(float("nan"), 0.1), "alpha"),
                                         (lambda: break_even_alpha(0, 0.1), "gamma")])
