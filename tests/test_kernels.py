@@ -280,13 +280,15 @@ def test_bench_kernels_off_cuda_is_one_skipped_record(tmp_path):
 # --- on the GPU: every kernel against a float64 oracle ---------------------------------------------------
 
 def bound(la: kernels.Launch, mag: np.ndarray, ref: np.ndarray) -> np.ndarray:
-    """Largest error float32 accumulation in the kernels' order allows: each product passes through at most
-    `chain` roundings (a chunk's FMAs, scale and bias, the thread's chunks, 5 shuffles, the warps) of
-    2^-24 relative to sum |terms| (mag), then y rounds once to float16/bfloat16."""
+    """Largest error float32 accumulation in the kernels' order allows (to first order): each product passes
+    through at most `chain` roundings of 2^-24 (a chunk's FMAs, scale and bias, the thread's chunks, 5
+    shuffles, the warps, and one for the oracle's float32 weights), relative to sum |terms| (mag); then y
+    rounds once to float16/bfloat16, by at most half an ulp of the computed value."""
     per_thread = -(-la.k // la.fmt.values_per_load // la.threads)
-    chain = (la.fmt.values_per_load + 2 + per_thread if la.fmt.bits != 16 else 8 * per_thread) + 5 + la.threads // 32
-    unit = 2.0 ** -11 if la.fmt.dtype == "float16" else 2.0 ** -8             # half an ulp of the output type
-    return chain * 2.0 ** -24 * mag + unit * np.abs(ref) * (1 + chain * 2.0 ** -24) + 2.0 ** -24
+    chain = (la.fmt.values_per_load + 2 + per_thread if la.fmt.bits != 16 else 8 * per_thread) + 5 + la.threads // 32 + 1
+    accumulated = chain * 2.0 ** -24 * mag
+    unit = 2.0 ** -11 if la.fmt.dtype == "float16" else 2.0 ** -8             # half an ulp, relative
+    return accumulated + unit * (np.abs(ref) + accumulated) + 2.0 ** -25      # 2^-25: half float16's least subnormal
 
 
 def random_weights(fmt: kernels.Format, n: int, k: int, seed: int, scale: float = 0.05):
