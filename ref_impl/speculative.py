@@ -139,16 +139,19 @@ def speculative_step(target: Model, drafter: Drafter, target_cache: list[KVCache
     drafts, q = drafter.propose(y, gamma)
     logits = target(mx.concatenate([y, drafts])[None], target_cache)[0]     # (γ+1, V) in one forward
     if sampler.temperature == 0:
-        n, token = accept_greedy(np.array(mx.argmax(logits, axis=-1)), np.array(drafts))
+        target_tokens = np.array(mx.argmax(logits, axis=-1))      # evaluates the drafts and the verification
+        proposed = np.array(drafts)
+        n, token = accept_greedy(target_tokens, proposed)
     else:
         p = sampler.probs(logits)
         mx.eval(p, q, drafts)
-        n, token = accept(np.array(p).astype(np.float64), np.array(q).astype(np.float64),
-                          np.array(drafts), rng.random(gamma + 1))
+        proposed = np.array(drafts)
+        n, token = accept(np.array(p).astype(np.float64), np.array(q).astype(np.float64), proposed,
+                          rng.random(gamma + 1))
         n, token = int(n), int(token)
     rewind(target_cache, gamma - n)             # keep y and the n accepted drafts
     drafter.keep(drafts, n)
-    return np.array(drafts[:n]).tolist() + [token], n
+    return proposed[:n].tolist() + [token], n
 
 
 @dataclass
