@@ -265,7 +265,7 @@ class SpecPlan:
         if gpu:
             return cls()
         return cls(pairs=(("random-100m", "random-4m"), ("random-100m", "random-22m")), prompt_len=64,
-                   gen_tokens=48, repeats=1, alpha_prompts=6, alpha_tokens=40, forward_repeats=3,
+                   gen_tokens=48, repeats=1, alpha_prompts=6, alpha_tokens=32, forward_repeats=3,
                    note="CPU, one BLAS thread; random-100m with random-4m and random-22m drafts stand in for "
                         "the Llama-3.1-8B / 3.2-1B pair (float32 weights of 32 and 5 GB)")
 
