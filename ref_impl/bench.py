@@ -430,7 +430,8 @@ def bench_kernels(shape: str, args: ModelArgs, weight_types: Sequence[str], work
                                     "samples": [], "shape": [c.n, c.k], "rows": c.rows, "layers": c.layers,
                                     "timings_us": {k: v * 1e6 for k, v in c.seconds.items()}, "errors": c.errors})
                     say(f"patch {wt} {c.fmt.name} {(c.n, c.k)} rows {c.rows}: {chosen} "
-                        + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in c.seconds.items()) + " ".join(c.errors))
+                        + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in c.seconds.items())
+                        + (f"; failed: {', '.join(c.errors)}" if c.errors else ""))
             runs = ours(model, prompt, gen_tokens, repeats, pipeline=True)
             ids[variant] = runs[0][2]
             tps = _summarize(runs, prompt_len)["tokens_per_s"]

@@ -12,9 +12,10 @@ Design (one launch, `Launch` below):
   inputs together: thread t reads 16-byte chunks t, t + threads, ... of every row, so each warp
   instruction loads 512 contiguous bytes (coalesced 128-bit loads), `unroll` chunks per row in flight.
   Weights are loaded with ld.global.nc.L1::no_allocate (read once; L1 keeps x, which every block reads).
-- A chunk of a 4-bit matrix holds 32 codes of one group (8 for 8-bit: 16 codes). Codes become exact
-  floats without int-to-float conversions (quarter rate on the SM): OR the code into the mantissa of
-  2^23 and subtract 2^23 (for 4-bit codes shifted by 16^j, one FMA undoes both). The group's scale and
+- A chunk of a 4-bit matrix holds 32 codes of one group (8-bit: 16 codes). Codes become exact floats
+  without int-to-float conversion instructions (which issue at a fraction of the FMA rate, CUDA
+  Programming Guide, throughput table): OR the code into the mantissa of 2^23 and subtract 2^23 (for
+  4-bit codes left in place, shifted by 16^j, one FMA undoes both). The group's scale and
   bias are applied once per chunk: sum_i (s q_i + b) x_i = s sum_i q_i x_i + b sum_i x_i, as MLX's
   own Metal qdot does. x is read as 16-byte vectors and converted once per chunk for all R rows.
 - Partial sums (R x rows floats per thread) are reduced with warp shuffles (__shfl_xor_sync), then
@@ -27,16 +28,21 @@ Dispatch: `patch(model)` swaps each nn.Linear and affine nn.QuantizedLinear for 
 same parameters. On MLX's CUDA backend a short measurement per (format, shape, rows) on the model's own
 weights picks the fastest of a few launches and MLX's built-in, and records it; other row counts,
 other backends (CPU; Metal, where MLX's quantized kernels are already strong) and tied embeddings keep
-MLX's built-ins. Greedy tokens match the built-ins' where no logit is within rounding of a tie.
+MLX's built-ins. The CUDA tests check that greedy tokens match the built-ins' except at near ties.
 
-Status: written and compile-checked without a GPU (nvcc 13.0 / ptxas for sm_90a), and the CUDA source
-run in a CPU emulation against numpy; not yet run on the H200. `python3 tests/test_kernels.py` checks
-every kernel against a float64 oracle there, `python -m ref_impl bench --kernels` measures them.
+Status (for the session that reads the first H200 log): written without a GPU. The CUDA source compiles
+with nvcc 13.0 for sm_90a (ptxas: no spills; registers in `occupancy`) and ran in a CPU emulation of
+its threads, warps and shared memory against a float64 oracle (every format, 1-9 rows, odd sizes,
+misaligned inputs). Not yet compiled by MLX's NVRTC nor timed: read `python3 tests/test_kernels.py`
+(each case's error against the float32 bound; the first call's time includes NVRTC) and `python -m
+ref_impl bench --kernels` (GB/s per shape and launch against the built-in; decode with and without).
+Not done: fused QKV and gate/up+SiLU kernels (issue 9: only if measurement shows a gain), and the LM
+head of tied-embedding models (it stays MLX's).
 
 References: MLX docs "Custom Metal Kernels" and mlx/backend/cuda/custom_kernel.cpp (grid in threads,
 generated signature `x_shape`, template constants); MLX mlx/backend/metal/kernels/quantized.h `qdot`
-(scale and bias per group, sum of x); the 2^23 mantissa trick for int-to-float conversion (Kim et al.,
-"Who Says Elephants Can't Run", 2022, for 4-bit weights); CUDA C++ Programming Guide, compute
+(scale and bias per group, sum of x); the magic-number int-to-float conversion, as used for 4-bit
+weights in FasterTransformer (Kim et al., "Who Says Elephants Can't Run", 2022); CUDA C++ Programming Guide, compute
 capability 9.0 limits (2048 threads, 32 blocks, 64K registers per SM); PTX ISA `ld` cache hints.
 See chapter: dispatch
 """
@@ -64,6 +70,11 @@ H200_SMS = 132                # streaming multiprocessors of an H200 (and H100 S
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
+def dtype_name(dtype: mx.Dtype) -> str:
+    """mx.float16 -> "float16"."""
+    return str(dtype).split(".")[-1]
+
+
 @dataclass(frozen=True)
 class Format:
     """A weight format the kernels read: MLX affine `bits`-bit codes (4 or 8) with a scale and bias per
@@ -81,7 +92,8 @@ class Format:
         if self.bits in (4, 8) and self.group_size not in GROUP_SIZES:
             raise ValueError(f"unsupported group size {self.group_size}: the kernels take {GROUP_SIZES}")
         if self.bits not in (4, 8, 16):
-            raise ValueError(f"unsupported bits {self.bits}: the kernels read 4- or 8-bit affine codes or 16-bit floats")
+            raise ValueError(f"unsupported bits {self.bits}: the kernels read 4- or 8-bit affine codes "
+                             "or 16-bit floats")
 
     @property
     def name(self) -> str:
@@ -161,7 +173,8 @@ def launch_config(fmt: Format, n: int, k: int, rows: int, threads: int = 128, ro
     if unroll not in (1, 2, 4):
         raise ValueError(f"unroll={unroll}: choose 1, 2 or 4")
     if rows_per_block is None:
-        rows_per_block = next(r for r in (4, 2, 1) if r == 1 or (r * rows <= MAX_ACCUMULATORS and -(-n // r) >= 4 * sms))
+        rows_per_block = next(r for r in (4, 2, 1)
+                              if r == 1 or (r * rows <= MAX_ACCUMULATORS and -(-n // r) >= 4 * sms))
     if rows_per_block not in (1, 2, 4, 8) or (rows_per_block > 1 and rows_per_block * rows > MAX_ACCUMULATORS):
         raise ValueError(f"rows_per_block={rows_per_block} with rows={rows}: need 1, 2, 4 or 8 and "
                          f"rows_per_block x rows <= {MAX_ACCUMULATORS}")
@@ -512,7 +525,7 @@ def affine_gemv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, gr
     mx.quantized_matmul(x, w, scales, biases, transpose=True) but accumulated in float32; 1 to 9 rows."""
     if x.dtype not in DTYPES.values():
         raise ValueError(f"unsupported activation dtype {x.dtype}: the kernels take float16 or bfloat16")
-    fmt = Format(bits, group_size, str(x.dtype).split(".")[-1])
+    fmt = Format(bits, group_size, dtype_name(x.dtype))
     if w.dtype != mx.uint32 or w.ndim != 2:
         raise ValueError(f"w must be uint32 (n, k * bits / 32) codes, got {w.dtype} of shape {w.shape}")
     n, k = w.shape[0], w.shape[1] * 32 // bits
@@ -535,7 +548,7 @@ def dense_gemv(x: mx.array, w: mx.array, launch: Launch | None = None) -> mx.arr
         raise ValueError(f"w must be a {x.dtype} matrix (n, k), got {w.dtype} of shape {w.shape}")
     if x.ndim < 1 or x.shape[-1] != w.shape[1]:
         raise ValueError(f"x has {x.shape[-1] if x.ndim else 0} features, w {w.shape} takes {w.shape[1]}")
-    x2, launch = _launch_for(Format(16, 0, str(x.dtype).split(".")[-1]), x, w.shape[0], launch)
+    x2, launch = _launch_for(Format(16, 0, dtype_name(x.dtype)), x, w.shape[0], launch)
     y = _kernel(True)(inputs=[x2, w], template=launch.template, grid=launch.grid, threadgroup=launch.threadgroup,
                       output_shapes=[(launch.rows, w.shape[0])], output_dtypes=[x.dtype])[0]
     return y.reshape(*x.shape[:-1], w.shape[0])
@@ -547,11 +560,11 @@ def format_of(layer: nn.Module) -> Format | None:
     """The kernel format of an nn.Linear (float16/bfloat16) or affine nn.QuantizedLinear (4/8 bits,
     groups of 32/64/128, scales in the weight dtype), or None when the kernels cannot run it."""
     try:
-        if type(layer) is nn.Linear and str(layer.weight.dtype).split(".")[-1] in DTYPES and layer.weight.shape[1] % 8 == 0:
-            return Format(16, 0, str(layer.weight.dtype).split(".")[-1])
+        if type(layer) is nn.Linear and dtype_name(layer.weight.dtype) in DTYPES and layer.weight.shape[1] % 8 == 0:
+            return Format(16, 0, dtype_name(layer.weight.dtype))
         if (type(layer) is nn.QuantizedLinear and layer.mode == "affine" and layer.biases is not None
                 and layer.scales.dtype == layer.biases.dtype):
-            return Format(layer.bits, layer.group_size, str(layer.scales.dtype).split(".")[-1])
+            return Format(layer.bits, layer.group_size, dtype_name(layer.scales.dtype))
     except ValueError:   # bits, group size or dtype the kernels do not take
         return None
     return None
@@ -585,12 +598,14 @@ class GEMVLinear(nn.Module):
             self._launches[rows] = launch
 
     def builtin(self, x: mx.array) -> mx.array:
+        """MLX's own matmul, as the replaced layer computed it."""
         if self.fmt.bits == 16:
             return x @ self.weight.T
         return mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True,
                                    group_size=self.fmt.group_size, bits=self.fmt.bits)
 
     def kernel(self, x: mx.array, launch: Launch) -> mx.array:
+        """Our GEMV with this launch."""
         if self.fmt.bits == 16:
             return dense_gemv(x, self.weight, launch)
         return affine_gemv(x, self.weight, self.scales, self.biases, self.fmt.group_size, self.fmt.bits, launch)
@@ -638,7 +653,8 @@ def time_variants(layers: Sequence[GEMVLinear], rows: int, launches: Sequence[La
     x = (mx.random.normal((rows, k), key=mx.random.key(seed)) * 0.1).astype(DTYPES[layers[0].fmt.dtype])
     passes = max(1, min(64, -(-min_bytes // (len(layers) * layers[0].fmt.weight_bytes(n, k)))))
     calls = passes * len(layers)
-    seconds, errors = {BUILTIN: _seconds(lambda: [m.builtin(x) for _ in range(passes) for m in layers], reps) / calls}, {}
+    seconds = {BUILTIN: _seconds(lambda: [m.builtin(x) for _ in range(passes) for m in layers], reps) / calls}
+    errors = {}
     for launch in launches:
         try:
             seconds[launch.label] = _seconds(lambda: [m.kernel(x, launch) for _ in range(passes) for m in layers],
