@@ -14,12 +14,18 @@ scales and, for affine formats, biases) sized for `max_size` positions, written 
   `n_outliers` key channels per KV head, picked by `calibrate`, kept in float16; the other key
   channels and all values are 4-bit affine groups.
 
-Attention path: `update_and_fetch` returns the *dequantized* float keys and values of the filled
-part, so `model.Attention` still calls `mx.fast.scaled_dot_product_attention` unchanged. This is
-the simplest correct drop-in; it re-expands the whole history every step, so it saves memory, not
-bandwidth. A fused path (`mx.quantized_matmul` for q.K^T and p.V on the packed affine codes, as
-mlx-lm's `quantized_scaled_dot_product_attention`) needs the attention code to know the cache
-format, which model.py must not, and is later work.
+Attention path, two of them, chosen by the constructor flag `fused` (default False):
+* dequantized (every scheme): `update_and_fetch` returns the *dequantized* float keys and values
+  of the filled part and `model.Attention` calls `mx.fast.scaled_dot_product_attention` on them.
+  The simplest correct drop-in; it re-expands the whole history every step (a float copy written
+  and read again), so it saves memory, not bandwidth.
+* fused (`AffineKVCache` and `OutlierKVCache` only, `FUSED`): the cache has `fused = True` and an
+  `attend(q, k, v, scale, mask)` that model.py calls instead: it stores k, v, then runs
+  `quantized_attention`, two `mx.quantized_matmul`s straight on the packed codes (q.K^T with
+  transpose=True, softmax, p.V with transpose=False), as mlx-lm's
+  `models/base.py: quantized_scaled_dot_product_attention` does. The outlier cache adds q.K^T of
+  its float16 channels. MLX has no quantized kernel for symmetric codes or KIVI's per-channel
+  key blocks, so those stay dequantized.
 
 MLX's affine rule (mx.quantize) is not plain min/max: it snaps the group's edge of larger
 magnitude to an exact code and rescales so that zero is a code, which can shorten the grid at
@@ -34,6 +40,7 @@ See chapter: kv-cache
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
 
 import mlx.core as mx
@@ -87,6 +94,52 @@ def _check_affine(bits: int, group: int, width: int, what: str):
                          f"got bits={bits}, group={group}")
 
 
+# --- fused attention on affine codes ----------------------------------------------------------
+
+def _mask_rows(mask, B: int, H: int, L: int, T: int, n_kv: int) -> mx.array:
+    """A mask for scores laid out as `quantized_attention`'s rows: (n_rep * L, T) or (B, n_kv, n_rep * L, T)."""
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"mask must be None, 'causal' or an array; got {mask!r}")
+        causal = mx.arange(T - L, T)[:, None] >= mx.arange(T)[None]   # query l sees keys 0 .. T - L + l
+        return mx.tile(causal, (H // n_kv, 1))
+    return mx.broadcast_to(mask, (B, H, L, T)).reshape(B, n_kv, H // n_kv * L, T)
+
+
+def quantized_attention(q: mx.array, k_quant: Sequence[mx.array], v_quant: Sequence[mx.array], scale: float,
+                        mask=None, group: int = 64, bits: int = 8,
+                        k_float: tuple[mx.array, mx.array] | None = None) -> mx.array:
+    """softmax(scale q.K^T + mask).V for q (B, H, L, D), read straight from affine codes: k_quant and
+    v_quant are mx.quantize's (codes, scales, biases) of keys and values (B, n_kv_heads, T, D).
+
+    Grouped-query attention without repeating K/V: the n_rep = H / n_kv_heads query heads sharing a
+    KV head (head h uses KV head h // n_rep, MLX's and Llama's order) are stacked as rows,
+    (B, n_kv_heads, n_rep * L, D), so each head's codes are read once by `mx.quantized_matmul`.
+    mask: None, "causal" (aligned with the last L keys, as in mx.fast.scaled_dot_product_attention),
+    or a boolean (True attends) or additive array broadcastable to (B, H, L, T). k_float: optional
+    (channels (n_kv_heads, n), keys (B, n_kv_heads, T, n)) of key channels held in float, whose
+    slots in the codes are ignored (OutlierKVCache). The recipe is mlx-lm's
+    `models/base.py: quantized_scaled_dot_product_attention`; the row layout is ours.
+    """
+    B, H, L, D = q.shape
+    n_kv, T = k_quant[0].shape[1], k_quant[0].shape[2]
+    rows = (q * scale).reshape(B, n_kv, H // n_kv * L, D)                   # (B, Hkv, n_rep * L, D)
+    if k_float is not None:
+        channels, keys = k_float
+        idx = mx.broadcast_to(channels[None, :, None, :], rows.shape[:3] + channels.shape[-1:])
+        extra = mx.take_along_axis(rows, idx, axis=-1) @ keys.astype(rows.dtype).swapaxes(-1, -2)
+        rows = mx.put_along_axis(rows, idx, mx.array(0, rows.dtype), axis=-1)
+    scores = mx.quantized_matmul(rows, *k_quant, transpose=True, group_size=group, bits=bits)   # (B, Hkv, R, T)
+    if k_float is not None:
+        scores = scores + extra
+    if mask is not None:
+        mask = _mask_rows(mask, B, H, L, T, n_kv)
+        scores = mx.where(mask, scores, mx.finfo(scores.dtype).min) if mask.dtype == mx.bool_ else scores + mask
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    out = mx.quantized_matmul(probs, *v_quant, transpose=False, group_size=group, bits=bits)
+    return out.reshape(B, H, L, D)
+
+
 class SymmetricKVCache(KVCache):
     """Per-token symmetric int8 or int4 keys and values (one scale per token and head)."""
 
@@ -126,15 +179,18 @@ class SymmetricKVCache(KVCache):
 
 
 class AffineKVCache(KVCache):
-    """Per-token affine groups of `group` channels (mx.quantize), keys and values alike."""
+    """Per-token affine groups of `group` channels (mx.quantize), keys and values alike.
+
+    fused=True: model.Attention calls `attend`, attention on the packed codes, instead of
+    `update_and_fetch` and attention on the dequantized history (see the module docstring)."""
 
     preallocate = False   # KVCache's float buffers stay empty (B, H, 0, D): only the shape check uses them
 
     def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_size: int,
-                 dtype: mx.Dtype = mx.float32, bits: int = 8, group: int = 64):
+                 dtype: mx.Dtype = mx.float32, bits: int = 8, group: int = 64, fused: bool = False):
         super().__init__(batch, n_kv_heads, head_dim, max_size, dtype)
         _check_affine(bits, group, head_dim, "head_dim")
-        self.bits, self.group, self.dtype = bits, group, dtype
+        self.bits, self.group, self.dtype, self.fused = bits, group, dtype, fused
         lead = (batch, n_kv_heads, max_size)
         self.k_quant = _affine_buffers(lead, head_dim, bits, group, dtype)   # codes, scales, biases
         self.v_quant = _affine_buffers(lead, head_dim, bits, group, dtype)
@@ -151,10 +207,18 @@ class AffineKVCache(KVCache):
         self._store(k, v, self._end(k, v))
         return self.state
 
+    def _codes(self) -> list[list[mx.array]]:
+        """[key (codes, scales, biases), value (...)] of the filled part, each (B, H, offset, .)."""
+        return [[b[:, :, :self.offset] for b in bufs] for bufs in (self.k_quant, self.v_quant)]
+
     def _dequantized(self) -> tuple[mx.array, mx.array]:
-        n = self.offset
-        return tuple(_dequantize(*(b[:, :, :n] for b in bufs), self.group, self.bits)
-                     for bufs in (self.k_quant, self.v_quant))
+        return tuple(_dequantize(*bufs, self.group, self.bits) for bufs in self._codes())
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.array:
+        """Store k, v (B, Hkv, L, D) as update_and_fetch does, then attention of q (B, H, L, D) over the
+        whole history on the packed codes (`quantized_attention`): (B, H, L, D)."""
+        self._store(k, v, self._end(k, v))
+        return quantized_attention(q, *self._codes(), scale, mask, self.group, self.bits)
 
     @property
     def state(self) -> tuple[mx.array, mx.array]:
@@ -270,10 +334,11 @@ class OutlierKVCache(AffineKVCache):
     """
 
     def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_size: int,
-                 dtype: mx.Dtype = mx.float32, bits: int = 4, group: int = 32, n_outliers: int = 4):
+                 dtype: mx.Dtype = mx.float32, bits: int = 4, group: int = 32, n_outliers: int = 4,
+                 fused: bool = False):
         if not 0 < n_outliers < head_dim:
             raise ValueError(f"n_outliers must be in 1..head_dim-1, got {n_outliers}")
-        super().__init__(batch, n_kv_heads, head_dim, max_size, dtype, bits, group)
+        super().__init__(batch, n_kv_heads, head_dim, max_size, dtype, bits, group, fused)
         self.n_outliers = n_outliers
         lead = (batch, n_kv_heads, max_size)
         self.k_outliers = _zeros(lead + (n_outliers,), mx.float16)
@@ -291,15 +356,19 @@ class OutlierKVCache(AffineKVCache):
         B, H, L, _ = x.shape
         return mx.broadcast_to(self.channels[None, :, None, :], (B, H, L, self.n_outliers))
 
-    def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
-        """Quantize k, v (B, H, L, D) into the next L slots; return the dequantized history."""
-        end = self._end(k, v)
+    def _store(self, k: mx.array, v: mx.array, end: int) -> None:
+        """The outlier channels of k (B, H, L, D) into k_outliers, the rest (outlier slots 0) and v as codes."""
         if not self.calibrated:
             self.calibrate(k)
         idx = self._index(k)
         self.k_outliers[:, :, self.offset:end] = mx.take_along_axis(k, idx, axis=-1).astype(mx.float16)
-        self._store(mx.put_along_axis(k.astype(self.dtype), idx, mx.array(0, self.dtype), axis=-1), v, end)
-        return self.state
+        super()._store(mx.put_along_axis(k.astype(self.dtype), idx, mx.array(0, self.dtype), axis=-1), v, end)
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.array:
+        """AffineKVCache.attend, plus the float16 outlier channels' share of q.K^T."""
+        self._store(k, v, self._end(k, v))
+        outliers = (self.channels, self.k_outliers[:, :, :self.offset])
+        return quantized_attention(q, *self._codes(), scale, mask, self.group, self.bits, outliers)
 
     @property
     def state(self) -> tuple[mx.array, mx.array]:
@@ -326,13 +395,23 @@ CACHES = {
 }
 
 
+FUSED = tuple(name for name, make in CACHES.items() if issubclass(make.func, AffineKVCache))   # have fused=True
+
+
 def make_caches(kind: str, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, max_size: int,
                 dtype: mx.Dtype = mx.float32, **params) -> list:
     """One quantized cache of `kind` (a key of CACHES) per layer; params override its bits/group/... .
 
     Example: `make_caches("kivi2", a.num_hidden_layers, 1, a.num_key_value_heads, a.head_dim, 512,
     window=64)`; the list goes wherever `Model.make_cache()`'s would (generate_step, prefill).
+    `fused=True` (the schemes in FUSED) makes attention run on the packed codes; fused=False is
+    accepted by every scheme.
     """
     if kind not in CACHES:
         raise ValueError(f"unknown quantized cache kind {kind!r}; have {', '.join(CACHES)}")
+    if params.pop("fused", False):
+        if kind not in FUSED:
+            raise ValueError(f"{kind} has no fused attention path (mx.quantized_matmul reads affine codes "
+                             f"only); fused schemes: {', '.join(FUSED)}")
+        params["fused"] = True
     return [CACHES[kind](batch, n_kv_heads, head_dim, max_size, dtype, **params) for _ in range(n_layers)]

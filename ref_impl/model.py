@@ -152,9 +152,12 @@ class Attention(nn.Module):
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         offset = cache.offset if cache is not None else 0
         q, k = self.rope(q, offset), self.rope(k, offset)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)  # whole history: (B, Hkv, offset + L, D)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        if getattr(cache, "fused", False):   # a quantized cache that attends on its packed codes (kvquant)
+            out = cache.attend(q, k, v, self.scale, mask)
+        else:
+            if cache is not None:
+                k, v = cache.update_and_fetch(k, v)  # whole history: (B, Hkv, offset + L, D)
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 

@@ -144,6 +144,50 @@ def test_attention_error_within_the_bound(kind, seed):
         assert np.all(np.abs(quant[0, h, 0] - exact[0, h, 0]) <= tol)
 
 
+# --- fused attention on the packed codes equals attention on the dequantized history ---------------
+
+def random_mask(seed: int, n_heads: int, L: int, T: int, boolean: bool) -> mx.array:
+    """A boolean mask (B, n_heads, L, T), one per head, key 0 always visible; or an additive (L, T)."""
+    rng = np.random.default_rng(seed)
+    if boolean:
+        m = rng.random((B, n_heads, L, T)) < 0.7
+        m[..., 0] = True
+        return mx.array(m)
+    return mx.array(rng.uniform(-3.0, 0.0, (L, T)).astype(np.float32))
+
+
+@pytest.mark.parametrize("kind", kvquant.FUSED)
+@pytest.mark.parametrize("n_heads", [2, 6])
+def test_fused_attention_equals_dequantized(kind, n_heads):
+    """Prefill chunks (causal, boolean and additive masks) then single-token decode steps, at several
+    offsets: `attend` on the codes gives mx.fast.scaled_dot_product_attention on the dequantized
+    history, for plain (n_heads = H) and grouped-query (n_heads = 3 H) attention."""
+    k, v = random_kv(11, 120, 2.0, outlier_gain=6.0)
+    q = np.random.default_rng(12).standard_normal((B, n_heads, 120, D)).astype(np.float32)
+    plain, fused = kvquant.CACHES[kind](B, H, D, 128), kvquant.CACHES[kind](B, H, D, 128, fused=True)
+    assert fused.fused and not plain.fused
+    steps = [(0, 40, "causal"), (40, 1, None), (41, 30, "bool"), (71, 1, None), (72, 24, "additive"),
+             (96, 20, "causal"), (116, 1, None), (117, 1, None)]
+    s = D ** -0.5
+    for start, L, how in steps:
+        sl = slice(start, start + L)
+        kk, vv, qq = mx.array(k[:, :, sl]), mx.array(v[:, :, sl]), mx.array(q[:, :, sl])
+        mask = how if how in (None, "causal") else random_mask(start, n_heads, L, start + L, how == "bool")
+        want = mx.fast.scaled_dot_product_attention(qq, *plain.update_and_fetch(kk, vv), scale=s, mask=mask)
+        got = fused.attend(qq, kk, vv, s, mask)
+        assert got.shape == (B, n_heads, L, D) and fused.offset == plain.offset == start + L
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-5, err_msg=f"{start}+{L} {how}")
+
+
+def test_fused_only_where_mlx_has_a_kernel():
+    assert set(kvquant.FUSED) == {k for k in KINDS if k.startswith(("affine", "outlier"))}
+    with pytest.raises(ValueError, match="sym8 has no fused attention path"):
+        kvquant.make_caches("sym8", 1, 1, 2, 64, 8, fused=True)
+    c = kvquant.make_caches("affine4-g64", 1, 1, 2, 64, 8, fused=True)[0]
+    with pytest.raises(ValueError, match="mask must be None, 'causal' or an array"):
+        c.attend(mx.zeros((1, 2, 2, 64)), mx.zeros((1, 2, 2, 64)), mx.zeros((1, 2, 2, 64)), 0.125, "sliding")
+
+
 # --- the shipped model: 8-bit caches keep the greedy tokens -----------------------------------------
 
 GREEDY_TOKENS = 64
@@ -154,10 +198,12 @@ def shipped(shipped_model):
     return load(shipped_model, mx.float32)
 
 
-@pytest.mark.parametrize("kind", ["sym8", "affine8-g64", "affine8-g32"])
-def test_8_bit_cache_keeps_greedy_tokens(shipped, kind):
-    """Measured on "import os\\n\\ndef ": all 64 greedy tokens agree for every 8-bit scheme (and for
-    kivi4, whose float window holds half of them; sym4 diverges at token 1, affine4-g32 at 9)."""
+@pytest.mark.parametrize("kind, fused", [("sym8", False), ("affine8-g64", False), ("affine8-g32", False),
+                                         ("affine8-g64", True)])
+def test_8_bit_cache_keeps_greedy_tokens(shipped, kind, fused):
+    """Measured on "import os\\n\\ndef ": all 64 greedy tokens agree for every 8-bit scheme, attention
+    dequantized or fused (and for kivi4, whose float window holds half of them; sym4 diverges at
+    token 1, affine4-g32 at 9)."""
     model, tok = shipped
     a = model.args
     prompt = tok.encode("import os\n\ndef ", bos=True)
@@ -166,7 +212,7 @@ def test_8_bit_cache_keeps_greedy_tokens(shipped, kind):
     def take(cache):
         return [t for _, t in zip(range(GREEDY_TOKENS), generate_step(model, prompt, Sampler(), cache))]
 
-    quant = kvquant.make_caches(kind, a.num_hidden_layers, 1, a.num_key_value_heads, a.head_dim, size)
+    quant = kvquant.make_caches(kind, a.num_hidden_layers, 1, a.num_key_value_heads, a.head_dim, size, fused=fused)
     assert take(quant) == take(model.make_cache(size))
 
 
