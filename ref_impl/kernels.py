@@ -203,7 +203,7 @@ class Occupancy:
     warps_per_sm: int
     fraction: float               # resident warps / 64
     waves: float                  # blocks / (blocks_per_sm x sms)
-    bytes_in_flight_per_sm: int   # resident threads x 16-byte weight loads each may have outstanding
+    bytes_in_flight_per_sm: int   # resident threads x the 16-byte weight loads each issues before computing
 
 
 def occupancy(launch: Launch, registers: int, sms: int = H200_SMS) -> Occupancy:
@@ -216,8 +216,9 @@ def occupancy(launch: Launch, registers: int, sms: int = H200_SMS) -> Occupancy:
     per_warp = -(-registers * 32 // 256) * 256
     blocks = min(2048 // launch.threads, 32, 65536 // (per_warp * launch.threads // 32))
     warps = blocks * launch.threads // 32
+    per_thread = launch.loads_per_thread // launch.rows_per_block      # chunks of each row a thread reads
     return Occupancy(blocks, warps, warps / 64, launch.blocks / (max(blocks, 1) * sms),
-                     blocks * launch.threads * 16 * launch.rows_per_block * launch.unroll)
+                     blocks * launch.threads * 16 * launch.rows_per_block * min(launch.unroll, per_thread))
 
 
 # --- the CUDA source ------------------------------------------------------------------------------------

@@ -112,7 +112,9 @@ def test_occupancy():
     half = kernels.occupancy(la, 64)            # 8192 registers a block
     assert (half.blocks_per_sm, half.fraction) == (8, 0.5)
     assert half.waves == 1024 / (8 * 132)
-    assert half.bytes_in_flight_per_sm == 8 * 128 * 16 * 4 * 2
+    assert half.bytes_in_flight_per_sm == 8 * 128 * 16 * 4 * 1      # k = 4096: one 32-code chunk per thread
+    long = kernels.occupancy(kernels.launch_config(Q4, 4096, 14336, 1, 128, 4), 64)
+    assert long.bytes_in_flight_per_sm == 8 * 128 * 16 * 4 * 2      # 448 chunks: unroll 2 of them in flight
     odd = kernels.occupancy(la, 100)            # 100 x 32 = 3200, allocated as 3328 per warp: 4 blocks
     assert odd.blocks_per_sm == 4
     small = kernels.occupancy(kernels.launch_config(Q4, 4096, 4096, 1, 64, 4), 16)
