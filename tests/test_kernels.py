@@ -295,12 +295,17 @@ def bound(la: kernels.Launch, mag: np.ndarray, ref: np.ndarray) -> np.ndarray:
     return accumulated + unit * (np.abs(ref) + accumulated) + 2.0 ** -25      # 2^-25: half float16's least subnormal
 
 
-def random_weights(fmt: kernels.Format, n: int, k: int, seed: int, scale: float = 0.05):
+def random_weights(fmt: kernels.Format, n: int, k: int, seed: int, scale: float = 0.05) -> tuple:
+    """(w,) or (codes, scales, biases) of normal weights times scale; scale 0: random codes whose scales
+    and biases are 0, so every weight is exactly 0."""
     key = mx.random.key(seed)
     w = (mx.random.normal((n, k), key=key) * scale).astype(kernels.DTYPES[fmt.dtype])
     if fmt.bits == 16:
         return (w,)
     q, s, b = mx.quantize(w, fmt.group_size, fmt.bits)
+    if scale == 0:
+        q = mx.random.randint(0, 2 ** 31, q.shape, key=key).astype(mx.uint32)
+        s, b = mx.zeros_like(s), mx.zeros_like(b)
     return q, s, b
 
 
