@@ -1478,13 +1478,107 @@ def check_c16(live: bool) -> Verdict:
                    "; ".join(sorted(source)) + " (kv-jitter records: every inter-token latency, async_eval pipelined)")
 
 
+# ---- KV-cache part: unified memory (C12, C30) --------------------------------------------------------
+
+_UNIFIED_SOURCES = ("MLX docs 'Unified Memory' and 'Conversion to NumPy'; mlx/backend/metal/allocator.cpp "
+                    "(MTL::ResourceStorageModeShared) and mlx/backend/cuda/allocator.cpp (cudaMallocManaged, "
+                    "move_to_unified_memory); Apple, MTLResourceOptions.storageModeShared and MTLBuffer didModifyRange")
+
+
+def unified_recorded() -> dict[str, dict]:
+    """Per machine: {"backend", "facts": {(route, metric): value}, "memory": {route: CUDA pointer kind},
+    "reads": {(variant, bytes): GB/s}} from the newest "unified" records."""
+    out = {}
+    for label, (machine, recs) in _by_machine("unified").items():
+        d = {"backend": machine["backend"], "facts": {}, "memory": {}, "reads": {}}
+        for r in recs:
+            if r["metric"] in ("shares_memory", "writes_seen"):
+                d["facts"][r["variant"], r["metric"]] = r["value"]
+                d["memory"][r["variant"]] = r.get("memory")
+            elif r["metric"] == "read_bandwidth":
+                d["reads"][r["variant"].split(" (")[0], r["bytes"]] = r["value"]
+        out[label] = d
+    return out
+
+
+def _first_reads(d: dict) -> tuple[int, dict[str, float]] | None:
+    """The largest size's first-read and second-read rates of one machine's records, by short name."""
+    if not d["reads"]:
+        return None
+    size = max(b for _, b in d["reads"])
+    rates = {v: x for (v, b), x in d["reads"].items() if b == size}
+    named = {}
+    for v, x in rates.items():
+        who = "host" if v.startswith("host") else "device"
+        named[f"{who} {'again' if 'again' in v else 'first'}"] = x
+    return size, named
+
+
+def check_c12(live: bool) -> Verdict:
+    """MLX's storage (allocator source) and what crossing between numpy, the host and a GPU measured."""
+    rec = unified_recorded()
+    ev: dict[str, Number] = {}
+    cpu = next((k for k, d in rec.items() if d["backend"] == "cpu"), None)
+    gpu = next((k for k, d in rec.items() if d["backend"] == "cuda"), None)
+    for label in filter(None, (cpu, gpu)):
+        f = rec[label]["facts"]
+        for route in ("mx.array(np)", "np.array(mx)", "np.asarray(mx)"):
+            if (route, "shares_memory") in f:
+                ev[f"{route} shares the source's memory ({label})"] = Number(f[route, "shares_memory"], "yes=1")
+    summary = ("True of MLX on Apple silicon by construction, not of MLX in general. Its Metal allocator "
+               "makes every buffer in shared storage, one copy the CPU and GPU both address, so nothing is sent "
+               "over a bus; but converting to or from numpy still copies (only the buffer-protocol views "
+               "np.asarray and memoryview share memory)")
+    if gpu:
+        first = _first_reads(rec[gpu])
+        if first:
+            size, r = first
+            mib = size / 2**20
+            ev |= {f"host's first read of a fresh GPU result, {mib:,.0f} MiB ({gpu})": Number(r["host first"], "GB/s"),
+                   f"host's second read ({gpu})": Number(r["host again"], "GB/s"),
+                   f"GPU's first read of a fresh mx.array(np), {mib:,.0f} MiB ({gpu})": Number(r["device first"], "GB/s"),
+                   f"GPU's second read ({gpu})": Number(r["device again"], "GB/s")}
+            summary += (f"; and MLX's CUDA backend on a discrete GPU ({gpu}) keeps host-made arrays in CUDA managed "
+                        f"memory (the driver's answer for an mx.array(np): {rec[gpu]['memory'].get('mx.array(np)')}) and kernel results in device memory, so "
+                        f"the same code pays the transfers unified memory avoids: the host's first read of a fresh "
+                        f"{mib:,.0f} MiB GPU result ran at {r['host first']:.1f} GB/s against {r['host again']:.1f} GB/s "
+                        f"for a second read, and a kernel's first read of a host-made array at {r['device first']:.1f} "
+                        f"GB/s against {r['device again']:,.0f} GB/s once its pages had migrated")
+    source = (f"results/ (machines {', '.join(rec)}; experiment unified); " if rec else "no recorded results; ") + _UNIFIED_SOURCES
+    return Verdict("qualified", summary + ".", ev,
+                   "on Apple silicon (Metal backend) inside MLX; conversions to numpy copy unless made through the "
+                   "buffer protocol, and on a discrete GPU MLX moves data over PCIe on first access", source)
+
+
+def check_c30(live: bool) -> Verdict:
+    """Apple's shared storage mode cannot be exercised here; its documented contract, and the portable analog."""
+    rec = unified_recorded()
+    ev: dict[str, Number] = {}
+    for label, d in rec.items():
+        seen = d["facts"].get(("np.asarray(mx)", "writes_seen"))
+        if seen is not None:
+            ev[f"a host write through np.asarray is seen by the next MLX kernel ({label})"] = Number(seen, "yes=1")
+    summary = ("Not testable here: no Apple GPU. Apple documents shared storage as one allocation that needs no "
+               "flush or copy call (managed storage, on Intel Macs, needs didModifyRange), but coherent only at "
+               "command-buffer boundaries: the CPU must not touch a buffer a queued command buffer still uses, which "
+               "MLX's eval provides. The closest portable measurement: a host write through MLX's buffer-protocol "
+               "view is seen by the next MLX kernel with no explicit copy")
+    if any(d["backend"] == "cuda" for d in rec.values()):
+        summary += ", on the H200 too, where CUDA managed memory migrates the written pages on the kernel's access"
+    source = (f"results/ (machines {', '.join(rec)}; experiment unified); " if rec else "no recorded results; ") + _UNIFIED_SOURCES
+    return Verdict("not testable here", summary + ".", ev,
+                   "no flush is needed, but ordering is: accesses must fall between command buffers (after mx.eval)",
+                   source)
+
+
 _CHECKS = {"C04": check_c04, "C10": check_c10, "C11": check_c11, "C14": check_c14, "C19": check_c19,
            "C26": check_c26, "C27": check_c27, "C32": check_c32,
            "C03": check_c03, "C23": check_c23, "C29": check_c29,
            "C07": check_c07, "C08": check_c08, "C18": check_c18, "C25": check_c25,
            "C16": check_c16,
            "C01": check_c01, "C21": check_c21, "C31": check_c31,
-           "C02": check_c02, "C09": check_c09, "C15": check_c15, "C28": check_c28}
+           "C02": check_c02, "C09": check_c09, "C15": check_c15, "C28": check_c28,
+           "C12": check_c12, "C30": check_c30}
 CLAIMS: dict[str, Claim] = {cid: Claim(cid, chapter, short, quote, SEEDS[int(cid[1:]) > 16], _CHECKS.get(cid))
                             for cid, chapter, short, quote in _TABLE}
 

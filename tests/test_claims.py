@@ -19,7 +19,8 @@ IMPLEMENTED = ("C03", "C04", "C07", "C08", "C10", "C11", "C14", "C18", "C19", "C
                "C32",
                "C01", "C21", "C31",
                "C02", "C09", "C15", "C28",
-               "C16")
+               "C16",
+               "C12", "C30")
 IDS = [f"C{i:02d}" for i in range(1, 33)]
 
 
@@ -522,3 +523,20 @@ def test_c16_reads_the_recorded_kv_jitter_runs(monkeypatch):
             machine, model, s = key.split(": ")[0].split(", ")
             t = next(t for t in traces if (t.machine, t.model, t.strategy) == (machine, model, s))
             assert math.isclose(n.value, np.percentile(t.itl_ms, 99) / np.percentile(t.itl_ms, 50))
+
+
+# ---- KV cache: unified memory (C12, C30) --------------------------------------------------------------
+
+def test_c12_c30_read_the_unified_records_and_stay_honest_about_apple():
+    rec = claims.unified_recorded()
+    v12, v30 = claims.check("C12", live=False), claims.check("C30", live=False)
+    assert v12.status == "qualified" and v30.status == "not testable here"
+    for label, d in rec.items():     # the copy facts the verdicts state are the recorded ones
+        assert d["facts"][("mx.array(np)", "shares_memory")] == 0.0
+        assert d["facts"][("np.asarray(mx)", "shares_memory")] == 1.0
+        key = f"np.asarray(mx) shares the source's memory ({label})"
+        assert v12.evidence[key].value == 1.0
+        if d["backend"] == "cuda":    # a discrete GPU's first reads are slower than its second ones
+            size, r = claims._first_reads(d)
+            assert r["host first"] < r["host again"] and r["device first"] < r["device again"]
+            assert f"{r['host first']:.1f} GB/s" in v12.summary
