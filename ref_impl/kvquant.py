@@ -123,6 +123,9 @@ def quantized_attention(q: mx.array, k_quant: Sequence[mx.array], v_quant: Seque
     """
     B, H, L, D = q.shape
     n_kv, T = k_quant[0].shape[1], k_quant[0].shape[2]
+    # a cache's filled part is a strided view of its (B, H, max_size, .) buffers: MLX's CUDA quantized
+    # matmul has no kernel for it (its CPU one copies it to rows itself), so copy it here
+    k_quant, v_quant = ([mx.contiguous(a) for a in parts] for parts in (k_quant, v_quant))
     rows = (q * scale).reshape(B, n_kv, H // n_kv * L, D)                   # (B, Hkv, n_rep * L, D)
     if k_float is not None:
         channels, keys = k_float
