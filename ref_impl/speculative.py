@@ -25,7 +25,7 @@ See chapter: speculative-decoding
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -129,12 +129,21 @@ class Drafter:
             rewind(self.cache, gamma - n - 1)
 
 
+@dataclass
+class SpeculativeStep:
+    """What one step emitted, and how many drafts it proposed and accepted (α = accepted / proposed)."""
+    tokens: list[int]
+    proposed: int
+    accepted: int
+    drafts: list[int] = field(default_factory=list)   # all γ proposals, the rejected ones included
+
+
 def speculative_step(target: Model, drafter: Drafter, target_cache: list[KVCache], y: mx.array, gamma: int,
-                     sampler: Sampler, rng: np.random.Generator) -> tuple[list[int], int]:
+                     sampler: Sampler, rng: np.random.Generator) -> SpeculativeStep:
     """One draft-then-verify step after the last emitted token y (1,), which neither cache holds yet.
 
-    Returns the emitted tokens (the accepted drafts, then one target token) and the number of
-    drafts accepted. Afterwards both caches hold y and the accepted drafts.
+    Returns what it emitted (the accepted drafts, then one target token), the drafts proposed and
+    the number accepted. Afterwards both caches hold y and the accepted drafts.
     """
     drafts, q = drafter.propose(y, gamma)
     logits = target(mx.concatenate([y, drafts])[None], target_cache)[0]     # (γ+1, V) in one forward
@@ -151,15 +160,9 @@ def speculative_step(target: Model, drafter: Drafter, target_cache: list[KVCache
         n, token = int(n), int(token)
     rewind(target_cache, gamma - n)             # keep y and the n accepted drafts
     drafter.keep(drafts, n)
-    return proposed[:n].tolist() + [token], n
+    return SpeculativeStep(proposed[:n].tolist() + [token], gamma, n, proposed.tolist())
 
 
-@dataclass
-class SpeculativeStep:
-    """What one step emitted, and how many drafts it proposed and accepted (α = accepted / proposed)."""
-    tokens: list[int]
-    proposed: int
-    accepted: int
 
 
 def speculative_generate(target: Model, drafter: Drafter, prompt: list[int], sampler: Sampler,
@@ -191,9 +194,9 @@ def speculative_generate(target: Model, drafter: Drafter, prompt: list[int], sam
     mx.eval(y, drafter.prefill(tokens))
     yield SpeculativeStep([y.item()], 0, 0)
     while True:
-        emitted, n = speculative_step(target, drafter, target_cache, y, gamma, sampler, rng)
-        yield SpeculativeStep(emitted, gamma, n)
-        y = mx.array(emitted[-1:])
+        step = speculative_step(target, drafter, target_cache, y, gamma, sampler, rng)
+        yield step
+        y = mx.array(step.tokens[-1:])
 
 
 def speculative_decode(target: Model, draft: Model, prompt: list[int], max_tokens: int, gamma: int = 4,
