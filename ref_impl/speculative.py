@@ -24,6 +24,7 @@ See chapter: speculative-decoding
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -216,6 +217,31 @@ def speculative_decode(target: Model, draft: Model, prompt: list[int], max_token
         if len(tokens) >= max_tokens:
             break
     return tokens[:max_tokens], steps
+
+
+def chi2_sf(x: float, df: int) -> float:
+    """P(X >= x) for X ~ chi-square(df), in closed form (the Poisson sum; erfc for odd df): the
+    p-value of a goodness-of-fit statistic, without scipy."""
+    h = x / 2
+    if df % 2 == 0:
+        return sum(math.exp(-h + i * math.log(h) - math.lgamma(i + 1)) for i in range(df // 2)) if h > 0 else 1.0
+    tail = sum(math.exp(-h + (i - 0.5) * math.log(h) - math.lgamma(i + 0.5)) for i in range(1, df // 2 + 1)) if h > 0 else 0.0
+    return math.erfc(math.sqrt(h)) + tail
+
+
+def chi2_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:
+    """p-value of the hypothesis that samples (token ids) were drawn from probs (V,): Pearson's
+    chi-square over the tokens with probability > 0; 0 if any sample falls where probs is 0.
+    The test needs at least 5 expected samples per token: merge rare tokens first."""
+    counts = np.bincount(np.asarray(samples).ravel(), minlength=probs.size)
+    if counts[probs == 0].any():
+        return 0.0
+    expected = counts.sum() * probs[probs > 0] / probs.sum()
+    if expected.min() < 5:
+        raise ValueError(f"too few samples for the chi-square approximation: {expected.min():.2g} expected "
+                         "for the rarest token (at least 5 needed)")
+    stat = float(((counts[probs > 0] - expected) ** 2 / expected).sum())
+    return chi2_sf(stat, int((probs > 0).sum()) - 1)
 
 
 def acceptance_rate(steps: list[SpeculativeStep]) -> float:

@@ -3,41 +3,17 @@ decoding emits the greedy tokens, and rejected drafts leave both KV caches as pl
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from ref_impl.generate import Sampler, decode_one_token, generate_step, prefill
 from ref_impl.model import load
-from ref_impl.speculative import (Drafter, accept, accept_greedy, acceptance_rate,
+from ref_impl.speculative import (Drafter, accept, accept_greedy, acceptance_rate, chi2_pvalue, chi2_sf,
                                   speculative_decode, speculative_generate)
 
 SIGNIFICANCE = 1e-3     # each chi-square test rejects a correct rule with this probability
 N_TRIALS = 200_000
-
-
-# --- statistics: a chi-square goodness-of-fit test without scipy -----------------------------
-
-def chi2_sf(x: float, df: int) -> float:
-    """P(X >= x) for X ~ chi-square(df), in closed form (the Poisson sum; erfc for odd df)."""
-    h = x / 2
-    if df % 2 == 0:
-        return sum(math.exp(-h + i * math.log(h) - math.lgamma(i + 1)) for i in range(df // 2)) if h > 0 else 1.0
-    tail = sum(math.exp(-h + (i - 0.5) * math.log(h) - math.lgamma(i + 0.5)) for i in range(1, df // 2 + 1)) if h > 0 else 0.0
-    return math.erfc(math.sqrt(h)) + tail
-
-
-def chi2_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:
-    """p-value of the hypothesis that samples (ints) were drawn from probs; 0 if any falls where probs is 0."""
-    counts = np.bincount(samples.ravel(), minlength=probs.size)
-    if counts[probs == 0].any():
-        return 0.0
-    expected = samples.size * probs[probs > 0]
-    assert expected.min() >= 5, "too few trials for the chi-square approximation"
-    stat = float(((counts[probs > 0] - expected) ** 2 / expected).sum())
-    return chi2_sf(stat, int((probs > 0).sum()) - 1)
 
 
 def test_chi2_sf_matches_known_quantiles():
@@ -45,6 +21,13 @@ def test_chi2_sf_matches_known_quantiles():
     for x, df, p in [(3.841, 1, 0.05), (5.991, 2, 0.05), (7.815, 3, 0.05), (16.919, 9, 0.05),
                      (10.828, 1, 0.001), (31.264, 11, 0.001), (51.179, 24, 0.001)]:
         assert chi2_sf(x, df) == pytest.approx(p, rel=2e-3)
+
+
+def test_chi2_pvalue_rejects_impossible_tokens_and_too_few_samples():
+    probs = np.array([0.5, 0.5, 0.0])
+    assert chi2_pvalue(np.array([0, 1] * 20 + [2]), probs) == 0.0
+    with pytest.raises(ValueError, match="too few samples"):
+        chi2_pvalue(np.array([0, 1, 1]), probs)
 
 
 # --- the acceptance rule on known distributions ----------------------------------------------
