@@ -4,6 +4,7 @@
     python -m ref_impl inspect models/stdlib-10m.gguf
     python -m ref_impl quantize models/stdlib-10m.gguf /tmp/stdlib-10m-Q4_K_M.gguf --type Q4_K_M
     python -m ref_impl train --preset stdlib-10m --out models/
+    python -m ref_impl train --mtp models/stdlib-10m.gguf --out models/
     python -m ref_impl bench --model models/stdlib-10m.gguf
     python -m ref_impl bench --link --label h200
     python -m ref_impl bench --unified --label h200
@@ -97,6 +98,16 @@ def cmd_train(a: argparse.Namespace) -> None:
 
     if bool(a.stdlib) != bool(a.corpus_python):
         raise ValueError("--stdlib and --corpus-python go together (the log records the corpus's version)")
+    if a.mtp:  # MTP heads on a frozen model (mtp.py); the corpus and its split are the model's
+        from .mtp import MTPConfig, train_heads
+
+        given = {"steps": a.steps, "seed": a.seed, "stdlib": a.stdlib, "corpus_python": a.corpus_python}
+        log = train_heads(MTPConfig(base=a.mtp, **{k: v for k, v in given.items() if v is not None}),
+                          Path(a.out), progress=not a.quiet)
+        accuracy = ", ".join(f"{e['accuracy']:.3f}" for e in log["heldout"][1:])
+        print(f"wrote {Path(a.out) / log['heads']['file']}: {log['heads']['k']} heads, held-out top-1 accuracy "
+              f"per head {accuracy}, {log['seconds']['total']:.0f} s")
+        return
     cfg = config_for(a.preset, steps=a.steps, seed=a.seed, stdlib=a.stdlib, corpus_python=a.corpus_python)
     log = train(cfg, Path(a.out), progress=not a.quiet)
     print(f"wrote {Path(a.out) / log['model']['file']}: {log['model']['parameters'] / 1e6:.2f}M parameters, "
@@ -211,6 +222,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--stdlib", help="train on another Python's Lib/ directory (default: this Python's)")
     t.add_argument("--corpus-python", help="the version of the Python whose Lib/ --stdlib names")
     t.add_argument("--quiet", action="store_true")
+    t.add_argument("--mtp", metavar="MODEL", help="train multi-token-prediction heads on this frozen GGUF model "
+                                                  "instead (writes <name>-mtp.gguf; --preset is ignored)")
     t.set_defaults(run=cmd_train)
 
     b = sub.add_parser("bench", help="measure decode speed (and peers) and write results/*.json")
