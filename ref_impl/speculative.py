@@ -219,6 +219,25 @@ def speculative_decode(target: Model, draft: Model, prompt: list[int], max_token
     return tokens[:max_tokens], steps
 
 
+def acceptance_probability(p: np.ndarray, q: np.ndarray, matching: bool = False) -> float:
+    """The chance one draft from q is accepted against target p (both (V,)): sum min(p, q) = 1 - TV(p, q)
+    under the rejection-sampling rule; sum p q under exact matching (accept only when the draft equals
+    the target's own sample, as mlx-lm does), which also keeps the target's distribution (every emitted
+    token is the target's sample) but accepts less often."""
+    return float(np.sum(p * q) if matching else np.sum(np.minimum(p, q)))
+
+
+def first_tokens(p: np.ndarray, q: np.ndarray, n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """n independent one-draft steps against fixed distributions p (target) and q (draft), both (V,):
+    the token each step emits first (the accepted draft, or the residual's draw) and whether the draft
+    was accepted. Distributed as p if the rule is exact: `chi2_pvalue(tokens, p)` tests it."""
+    rng = np.random.default_rng(seed)
+    drafts = _sample_inverse_cdf(np.broadcast_to(q, (n, q.size)), rng.random(n))[:, None]
+    k, token = accept(np.broadcast_to(p, (n, 2, p.size)), np.broadcast_to(q, (n, 1, q.size)), drafts,
+                      rng.random((n, 2)))
+    return np.where(k == 1, drafts[:, 0], token), k == 1
+
+
 def chi2_sf(x: float, df: int) -> float:
     """P(X >= x) for X ~ chi-square(df), in closed form (the Poisson sum; erfc for odd df): the
     p-value of a goodness-of-fit statistic, without scipy."""
@@ -231,17 +250,28 @@ def chi2_sf(x: float, df: int) -> float:
 
 def chi2_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:
     """p-value of the hypothesis that samples (token ids) were drawn from probs (V,): Pearson's
-    chi-square over the tokens with probability > 0; 0 if any sample falls where probs is 0.
-    The test needs at least 5 expected samples per token: merge rare tokens first."""
+    chi-square over the tokens with probability > 0, those expected fewer than 5 times pooled into
+    one bin (the approximation's usual condition); 0 if any sample falls where probs is 0."""
     counts = np.bincount(np.asarray(samples).ravel(), minlength=probs.size)
     if counts[probs == 0].any():
         return 0.0
-    expected = counts.sum() * probs[probs > 0] / probs.sum()
-    if expected.min() < 5:
-        raise ValueError(f"too few samples for the chi-square approximation: {expected.min():.2g} expected "
-                         "for the rarest token (at least 5 needed)")
-    stat = float(((counts[probs > 0] - expected) ** 2 / expected).sum())
-    return chi2_sf(stat, int((probs > 0).sum()) - 1)
+    observed, expected = counts[probs > 0], counts.sum() * probs[probs > 0] / probs.sum()
+    if len(expected) == 1:
+        return 1.0                                    # one possible token, and every sample is it
+    rare = expected < 5
+    if rare.any():
+        observed = np.append(observed[~rare], observed[rare].sum())
+        expected = np.append(expected[~rare], expected[rare].sum())
+        if expected[-1] < 5 and len(expected) > 2:    # the pooled bin itself is rare: join the next smallest
+            k = int(np.argmin(expected[:-1]))
+            observed[k] += observed[-1]
+            expected[k] += expected[-1]
+            observed, expected = observed[:-1], expected[:-1]
+    if len(expected) < 2 or expected.min() < 5:
+        raise ValueError(f"too few samples for the chi-square approximation ({counts.sum()} over "
+                         f"{int((probs > 0).sum())} tokens)")
+    stat = float(((observed - expected) ** 2 / expected).sum())
+    return chi2_sf(stat, len(expected) - 1)
 
 
 def acceptance_rate(steps: list[SpeculativeStep]) -> float:

@@ -3,10 +3,13 @@ decoding emits the greedy tokens, and rejected drafts leave both KV caches as pl
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
+from ref_impl import speculative
 from ref_impl.generate import Sampler, decode_one_token, generate_step, prefill
 from ref_impl.model import load
 from ref_impl.speculative import (Drafter, accept, accept_greedy, acceptance_rate, chi2_pvalue, chi2_sf,
@@ -265,3 +268,16 @@ def test_task_5_a_draft_equal_to_the_target_is_almost_always_accepted(pair):
     prompt = tok.encode("import sys\n", bos=True)
     tokens, steps = speculative_decode(target, target, prompt, 24, 3, Sampler(temperature=1.0, seed=0))
     assert acceptance_rate(steps) > 0.9
+
+
+def test_first_tokens_follow_the_target_and_accept_at_sum_min():
+    rng = np.random.default_rng(3)
+    p, q = rng.dirichlet(np.ones(24) * 0.5), rng.dirichlet(np.ones(24) * 0.5)
+    tokens, accepted = speculative.first_tokens(p, q, N_TRIALS, seed=1)
+    assert speculative.chi2_pvalue(tokens, p) > SIGNIFICANCE
+    assert speculative.chi2_pvalue(tokens, q) < SIGNIFICANCE               # the test can tell p from q
+    alpha = float(np.minimum(p, q).sum())                                    # 1 - TV(p, q), by hand
+    assert speculative.acceptance_probability(p, q) == pytest.approx(alpha)
+    assert abs(accepted.mean() - alpha) < 5 * math.sqrt(alpha * (1 - alpha) / N_TRIALS)
+    assert speculative.acceptance_probability(p, q, matching=True) == pytest.approx(float(p @ q))
+    assert float(p @ q) <= alpha
