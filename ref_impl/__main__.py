@@ -10,6 +10,7 @@
     python -m ref_impl bench --unified --label h200
     python -m ref_impl bench --kernels --shape Llama-3.1-8B --weights Q4_K F16 --label h200
     python -m ref_impl bench --dispatch --shapes tiny Llama-3.2-1B Llama-3.1-8B --label h200
+    python -m ref_impl bench --kv --label h200
     python -m ref_impl bench --spec --label h200
 
 Bad input (a missing or malformed file, an impossible setting) prints one line on stderr
@@ -128,6 +129,10 @@ def cmd_bench(a: argparse.Namespace) -> None:
             heads = Path(a.mtp_heads or Path(a.model).with_name(Path(a.model).stem + "-mtp.gguf"))
             records = bench_spec(Path(a.model), Path(a.draft), heads if a.mtp_heads or heads.is_file() else None,
                                  a.quick, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+        elif a.kv:
+            from .bench import bench_kv
+            records = bench_kv(Path(a.model), a.shapes, a.quick,
+                               progress=lambda msg: print(msg, file=sys.stderr, flush=True))
         elif a.link:
             records = bench_link(a.link_budget, a.link_max_bytes)
         elif a.unified:
@@ -147,7 +152,7 @@ def cmd_bench(a: argparse.Namespace) -> None:
         else:
             records = bench_decode(Path(a.model), a.prompt_len, a.gen_tokens, a.repeats, peers=not a.no_peers)
     path = write_results(records, Path(a.out), "python -m ref_impl " + shlex.join(sys.argv[1:]), a.label)
-    for r in records if not (a.dispatch or a.kernels or a.spec) else []:
+    for r in records if not (a.dispatch or a.kernels or a.spec or a.kv) else []:
         if r["metric"] in ("tokens_per_s", "ttft_ms", "heldout_perplexity", "bits_per_weight",
                            "bandwidth", "bandwidth_fraction"):
             who = r["peer"] or "ours" + (f" ({r['variant']})" if r.get("variant") else "")
@@ -174,6 +179,11 @@ def cmd_bench(a: argparse.Namespace) -> None:
             drafter = r["drafter"] + (f" alpha={r['alpha_set']}" if r.get("alpha_set") is not None else "")
             where = f"gamma={r['gamma']}" if r["gamma"] is not None else f"T={r['temperature']}"
             print(f"  {r['experiment']:<11} {r['model']:<13} {drafter:<28} {where:<9} {r['metric']:<8} {r['value']:8.3f}")
+    for r in records if a.kv else []:
+        if r["metric"] in ("ppl_delta", "retrieval_rate", "bytes_per_token", "vs_float", "crossover_context"):
+            value = "-" if r["value"] is None else f"{r['value']:.3f}"
+            print(f"  {r['experiment']:<9} {r['model']:<13} {r['kv']:<12} {r['variant'] or '':<11} "
+                  f"{r['context'] or '':>6} {r['metric']:<17} {value:>10} {r['unit']}")
     for r in records if a.dispatch else []:
         if r["metric"] in ("gain", "slowdown", "launch_us", "break_even_elements", "itl_max_ms", "first_over_steady"):
             value = "-" if r["value"] is None else f"{r['value']:.3f}"
@@ -252,14 +262,18 @@ def parser() -> argparse.ArgumentParser:
                         "latency, KV-cache jitter, wired memory, TTFT/ITL vs context) on --model and --shapes")
     b.add_argument("--shapes", nargs="+", metavar="SHAPE",
                    help="random-weight shapes for --dispatch: tiny or a Llama shape (default: tiny, Llama-3.2-1B, "
-                        "Llama-3.1-8B on a GPU; tiny on the CPU)")
+                        "Llama-3.1-8B on a GPU; tiny on the CPU); for --kv: stdlib-10m (--model) or a Llama shape "
+                        "(default: stdlib-10m, Llama-3.2-1B, Llama-3.1-8B on a GPU; stdlib-10m on the CPU)")
+    b.add_argument("--kv", action="store_true",
+                   help="KV-cache quantization: held-out perplexity and needle retrieval per scheme on --model, "
+                        "bytes per token, decode tok/s vs context (dequantized and fused attention) on --shapes")
     b.add_argument("--spec", action="store_true",
                    help="speculative decoding: acceptance on held-out text, forward time vs positions, speedup for "
                         "gamma 1..8 of --model with --draft, its MTP heads and random pairs with alpha set")
     b.add_argument("--draft", default="models/stdlib-draft-1m.gguf", help="the draft model for --spec")
     b.add_argument("--mtp-heads", help="MTP heads for --spec (default: MODEL-mtp.gguf beside --model, if present)")
     b.add_argument("--quick", action="store_true",
-                   help="--dispatch or --spec with tiny sizes: checks it runs, in seconds")
+                   help="--dispatch, --spec or --kv with tiny sizes: checks it runs, in seconds")
     b.add_argument("--work-dir", help="where --quant and --shape write their temporary GGUF files")
     b.add_argument("--label", help="machine label for the file name (default: host-backend)")
     b.add_argument("--out", default="results")

@@ -493,6 +493,16 @@ def bench_spec(target: Path, draft: Path, heads: Path | None = None, quick: bool
     return speedup.bench_spec(target, draft, heads, plan, progress=progress)
 
 
+def bench_kv(path: Path, shapes: Sequence[str] | None = None, quick: bool = False, progress=None) -> list[dict]:
+    """KV-cache quantization records ("kv-ppl", "kv-needle", "kv-bytes", "kv-speed") for the GGUF model at
+    path and random-weight models of `shapes` ("stdlib-10m": the GGUF model itself), sized for this device
+    (quick: seconds on a CPU, a smoke test). See kvquality.bench_kv."""
+    from . import kvquality
+
+    plan = kvquality.KVPlan.for_device(mx.default_device() == mx.gpu, quick)
+    return kvquality.bench_kv(path, plan, shapes, progress=progress)
+
+
 def _git_commit() -> str:
     """The commit of the code that ran: REF_IMPL_GIT where set (a copy of the tree on a lent GPU
     machine, whose .git, if any, need not match the files it ran), else git's answer."""

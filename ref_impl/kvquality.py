@@ -1,6 +1,7 @@
-"""What quantizing the KV cache costs: key/value magnitudes, rounding error, perplexity, memory.
+"""What quantizing the KV cache costs: key/value magnitudes, rounding error, perplexity, retrieval,
+memory and decode speed.
 
-Four measurements behind the KV-cache chapter's choice of scheme (`kvquant.CACHES`):
+The measurements behind the KV-cache chapter's choice of scheme (`kvquant.CACHES`):
 
 * `key_value_magnitudes`: per layer and channel, mean and max |k| and |v| over a prompt, keys both
   before and after RoPE. Keys carry a few *outlier channels* (`outlier_channels` counts them);
@@ -11,6 +12,12 @@ Four measurements behind the KV-cache chapter's choice of scheme (`kvquant.CACHE
   one scale per channel (over tokens: each channel gets its own step). This is KIVI's argument.
 * `cache_perplexity`: held-out perplexity when attention reads the history from a quantized cache.
 * `memory_table`: analytic KV bytes for public model shapes at long contexts, per scheme.
+* `needle_retrieval`: does the model still copy an identifier defined ~440 tokens earlier?
+  (`needle_trials` builds the prompts; the module docstring of that section says how.)
+* `decode_speed`: decode tokens/s against context, float vs quantized caches, attention on the
+  dequantized history or fused on the codes (kvquant's `fused=True`); `crossover` reads off
+  the context from which a quantized cache is the faster.
+`bench_kv` runs them into results records (`python -m ref_impl bench --kv`).
 
 How the keys are captured: `capture_keys_values` runs the decoder's layers itself, exactly as
 `Model.__call__` does (embed, then each block with the causal mask), and hands each block a
@@ -27,15 +34,26 @@ See chapter: kv-cache
 
 from __future__ import annotations
 
+import gc
+import math
+import re
+import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 from . import kvquant, roofline
+from .bench import _summarize, _time_tokens
+from .generate import Sampler, generate_step, prefill
 from .kvcache import KVCache
-from .model import Model
+from .latency import _record, random_model, shape_args
+from .model import Model, load
+from .tokenizer import Tokenizer
 
 FLOAT = "float"   # the scheme name of the unquantized static cache (kvcache.KVCache)
 
@@ -121,9 +139,12 @@ def window_starts(stream: np.ndarray, context: int, windows: int) -> np.ndarray:
 
 
 def make_scheme_caches(model: Model, scheme: str, batch: int, max_size: int, **params) -> list:
-    """One cache per layer: the float static KVCache for scheme "float", else kvquant's `scheme`."""
+    """One cache per layer: the float static KVCache for scheme "float", else kvquant's `scheme`
+    (params such as bits, group, fused=True go to it; "float" takes only fused=False)."""
     a, dtype = model.args, model.norm.weight.dtype
     if scheme == FLOAT:
+        if params.pop("fused", False) or params:
+            raise ValueError(f"the float cache takes no parameters; got {params or 'fused=True'}")
         return [KVCache(batch, a.num_key_value_heads, a.head_dim, max_size, dtype)
                 for _ in range(a.num_hidden_layers)]
     return kvquant.make_caches(scheme, a.num_hidden_layers, batch, a.num_key_value_heads, a.head_dim,
@@ -207,3 +228,312 @@ def memory_table(shapes: Iterable[str | roofline.ModelShape] = DEFAULT_SHAPES,
                       "bytes_per_token": size[s] / context, "vs_float": size[s] / size[FLOAT]}
                      for s in schemes]
     return rows
+
+
+# ---- needle retrieval: copy an identifier defined far back ---------------------------------------
+#
+# The shipped model copies poorly from far back: while this probe was designed, it almost never
+# reproduced a made-up identifier of random letters, or of random words, defined a few hundred
+# tokens earlier, whatever the cue. What it does copy is a name it saw used in a pattern that comes
+# back. So the needle is a class whose method has a made-up name, called twice by `run`; the cue
+# reopens `run` after the filler and gives the name's unique first part:
+#
+#     <held-out code>  class Base: def <w1>_<w2>(self): ... def run(self): self.<w1>_<w2>() x2
+#     <held-out code, `distance` tokens>  def run(self): self.<w1>_      -> the model must say <w2>
+#
+# w1 glues two vocabulary words into a word the held-out files never use (so the cue points at the
+# needle alone); w2 is a common code word, one token. The control prompts plant another made-up
+# name instead: the rate at which w2 is guessed without the needle (bench_kv records both).
+
+NEEDLE = ("\n\nclass Base:\n    def {name}(self):\n        pass\n\n"
+          "    def run(self):\n        self.{name}()\n        self.{name}()\n\n")
+NEEDLE_CUE = "\n\n    def run(self):\n        self.{prefix}"
+
+
+@dataclass
+class NeedleTrial:
+    """One retrieval prompt of exactly `context` tokens: the model must continue it with `target`."""
+    name: str                   # the planted identifier
+    prompt: list[int]           # BOS, held-out code, the needle, `distance` tokens of held-out code, the cue
+    control: list[int]          # the same with another made-up name in the needle: the guess rate
+    target: int                 # the one token the cue must be continued with
+    distance: int               # tokens from the needle's end to the end of the prompt
+
+
+def _code_lines(rng: np.random.Generator, texts: Sequence[str], tokenizer: Tokenizer, n: int) -> list[int]:
+    """Tokens of whole lines of a random held-out file from a random line on: n or a few fewer."""
+    while True:
+        lines = texts[rng.integers(len(texts))].splitlines(keepends=True)
+        ids: list[int] = []
+        for line in lines[rng.integers(len(lines)):]:
+            line_ids = tokenizer.encode(line)
+            if len(ids) + len(line_ids) > n:
+                break
+            ids += line_ids
+        if len(ids) > n - 40:
+            return ids
+
+
+def needle_trials(tokenizer: Tokenizer, texts: Sequence[str], n: int, context: int = 512, distance: int = 440,
+                  seed: int = 0) -> list[NeedleTrial]:
+    """n seeded retrieval prompts, each `context` tokens long, from held-out source files `texts`
+    (see the section comment for the layout); `distance` is at most context - ~60."""
+    rng = np.random.default_rng(seed)
+    used = Counter(re.findall(r"[A-Za-z]+", "".join(texts)))
+    vocab = [t for t in (tokenizer.decode([i]) for i in range(tokenizer.vocab_size))
+             if re.fullmatch(r"[a-z]{4,}", t) and used[t] >= 20]          # common code words, one token each
+
+    def name() -> tuple[str, str]:
+        while True:
+            a, b, c = rng.choice(vocab, 3, replace=False)
+            if not used[a + b] and len(tokenizer.encode(a + b)) == 2:
+                return f"{a}{b}_", str(c)
+
+    trials = []
+    while len(trials) < n:
+        prefix, word = name()
+        cue = tokenizer.encode(NEEDLE_CUE.format(prefix=prefix))
+        target = tokenizer.encode(word)
+        if tokenizer.encode(NEEDLE_CUE.format(prefix=prefix + word)) != cue + target:
+            continue   # the name must tokenize the same at the cue as in the needle's calls
+        needle = tokenizer.encode(NEEDLE.format(name=prefix + word))
+        other = needle
+        while len(other) != len(needle) or other == needle:
+            other = tokenizer.encode(NEEDLE.format(name="".join(name())))
+        filler = _code_lines(rng, texts, tokenizer, distance - len(cue))
+        lead = context - 1 - len(needle) - len(filler) - len(cue)
+        if lead < 0:
+            raise ValueError(f"distance {distance} leaves no room for the needle in a context of {context}")
+        lines = _code_lines(rng, texts, tokenizer, lead + 64)                    # at least lead + 24 tokens
+        head = [tokenizer.bos_id] + lines[len(lines) - lead:]
+        trials.append(NeedleTrial(prefix + word, head + needle + filler + cue, head + other + filler + cue,
+                                  target[0], len(filler) + len(cue)))
+    return trials
+
+
+def needle_retrieval(model: Model, trials: Sequence[NeedleTrial], scheme: str, control: bool = False,
+                     batch: int = 16, **params) -> tuple[list[bool], list[float]]:
+    """Per trial: does greedy decoding continue the prompt with the needle's token, and its log-prob
+    (nats), with the decoder reading the prompt from a `scheme` cache filled by one prefill, as
+    `generate` does. control=True asks the same of the control prompts (no needle)."""
+    hits, logprobs = [], []
+    for i in range(0, len(trials), batch):
+        part = trials[i:i + batch]
+        prompts = mx.array([t.control if control else t.prompt for t in part])
+        caches = make_scheme_caches(model, scheme, len(part), prompts.shape[1], **params)
+        logits = prefill(model, prompts, caches).astype(mx.float32)                  # (B, V)
+        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        target = mx.array([t.target for t in part])
+        hits += (mx.argmax(logits, axis=-1) == target).tolist()
+        logprobs += mx.take_along_axis(logp, target[:, None], axis=-1)[:, 0].tolist()
+    return hits, logprobs
+
+
+# ---- decode speed against context ------------------------------------------------------------------
+
+def fill_random(caches: Sequence[KVCache], context: int, seed: int = 0, chunk: int = 4096) -> None:
+    """Store `context` positions of random keys and values (standard normal, in the cache dtype) in
+    every layer's cache, `chunk` positions per update_and_fetch: what a prefill of that length leaves,
+    without running it (decode speed does not depend on the values, and a real 32k-token prefill of
+    an 8B shape would cost more than the decode it sets up)."""
+    key = mx.random.key(seed)
+    for cache in caches:
+        B, H, _, D = cache.keys.shape        # every cache keeps (B, H, ., D) float buffers, maybe empty
+        for start in range(0, context, chunk):
+            key, sub = mx.random.split(key)
+            kv = mx.random.normal((2, B, H, min(chunk, context - start), D), key=sub).astype(cache.keys.dtype)
+            cache.update_and_fetch(kv[0], kv[1])
+
+
+@dataclass
+class SpeedPoint:
+    """Greedy pipelined decode of one model after `context` cached positions, with one cache variant."""
+    model: str
+    scheme: str                        # FLOAT or a key of kvquant.CACHES
+    fused: bool                        # attention on the codes (kvquant fused=True) or on the dequantized history
+    context: int
+    tokens_per_s: float                # median over runs
+    tokens_per_s_runs: list[float]
+    itl_p50_ms: float
+    cache_bytes: int                   # all layers' caches, allocated for context + n_tokens + 2 positions
+
+
+def variant_name(scheme: str, fused: bool) -> str:
+    """"float", "affine4-g64" (dequantized attention) or "affine4-g64+fused": one label per cache variant."""
+    return scheme + ("+fused" if fused else "")
+
+
+def decode_speed(model: Model, name: str, variants: Sequence[tuple[str, bool]], contexts: Sequence[int],
+                 n_tokens: int = 32, repeats: int = 3, budget_s: float = math.inf, seed: int = 0) -> list[SpeedPoint]:
+    """Decode tokens/s of each (scheme, fused) variant at each context, shortest first.
+
+    Per context every variant's caches are built and filled with `fill_random`; then a warm-up run and
+    `repeats` rounds that decode n_tokens with every variant in turn (`generate_step` pipelined, one
+    random token as the prompt), trimming each cache back to `context` after its run, so a busy
+    neighbour slows all variants alike. Stops before a context whose likely cost (the last one's,
+    scaled by the length ratio) would overrun budget_s."""
+    if n_tokens < 2 or repeats < 1 or not variants:
+        raise ValueError(f"decode_speed needs n_tokens >= 2, repeats >= 1 and a variant; got {n_tokens}, {repeats}")
+    token = int(np.random.default_rng(seed).integers(1, model.args.vocab_size))
+    out, start, last = [], time.perf_counter(), None
+    for context in sorted(contexts):
+        if last is not None and time.perf_counter() - start + last[1] * context / last[0] > budget_s:
+            break
+        t0 = time.perf_counter()
+        caches = {v: make_scheme_caches(model, v[0], 1, context + n_tokens + 2, fused=v[1]) for v in variants}
+        for c in caches.values():
+            fill_random(c, context, seed)
+        runs = {v: [] for v in variants}
+        for r in range(-1, repeats):
+            for v, cache in caches.items():
+                run = _time_tokens(generate_step(model, [token], Sampler(), cache, pipeline=True), n_tokens)
+                mx.synchronize()               # the pipelined step left queued, before the trim
+                for c in cache:
+                    c.trim(c.offset - context)
+                if r >= 0:
+                    runs[v].append(run)
+        for (scheme, fused), r in runs.items():
+            s = _summarize(r, 1)
+            out.append(SpeedPoint(name, scheme, fused, context, s["tokens_per_s"][0],
+                                  [float(x) for x in s["tokens_per_s"][1]], s["itl_p50_ms"][0],
+                                  sum(c.nbytes for c in caches[(scheme, fused)])))
+        del caches
+        gc.collect()
+        mx.clear_cache()
+        last = (context, time.perf_counter() - t0)
+    return out
+
+
+def crossover(points: Sequence[SpeedPoint], scheme: str, fused: bool) -> int | None:
+    """The shortest measured context from which on (at it and every longer one measured) the variant
+    decodes faster than the float cache of the same model run; None if it is not faster at the longest."""
+    rate = {(p.scheme, p.fused, p.context): p.tokens_per_s for p in points}
+    contexts = sorted(c for s, f, c in rate if (s, f) == (scheme, fused) and (FLOAT, False, c) in rate)
+    faster = [rate[(scheme, fused, c)] > rate[(FLOAT, False, c)] for c in contexts]
+    if not faster or not faster[-1]:
+        return None
+    first = len(faster)
+    while first > 0 and faster[first - 1]:
+        first -= 1
+    return contexts[first]
+
+
+# ---- every measurement above, as results records -------------------------------------------------
+
+SPEED_VARIANTS = ((FLOAT, False), ("sym8", False), ("affine8-g64", False), ("affine8-g64", True),
+                  ("affine4-g64", False), ("affine4-g64", True), ("kivi4", False), ("outlier4", False),
+                  ("outlier4", True))
+
+
+@dataclass
+class KVPlan:
+    """Sizes for `bench_kv`; `for_device` picks them for a GPU, the CPU (2 cores: ~6 minutes) or a quick check."""
+    ppl_context: int = 512                 # the shipped model's whole context
+    ppl_windows: int = 128                 # held-out windows per scheme (the same windows for every scheme)
+    needle_context: int = 512
+    needle_trials: int = 128
+    needle_distances: tuple[int, ...] = (128, 440)
+    shapes: tuple[str, ...] = ("stdlib-10m", "Llama-3.2-1B", "Llama-3.1-8B")   # for kv-speed and kv-bytes
+    contexts: tuple[int, ...] = (1024, 4096, 16384, 32768)
+    variants: tuple[tuple[str, bool], ...] = SPEED_VARIANTS
+    speed_tokens: int = 32
+    speed_repeats: int = 3
+    speed_budget_s: float = 75.0           # per shape
+
+    @classmethod
+    def for_device(cls, gpu: bool, quick: bool = False) -> KVPlan:
+        if quick:   # seconds on a CPU: checks that everything runs, measures nothing well
+            return cls(ppl_context=64, ppl_windows=1, needle_trials=2, needle_distances=(128,), shapes=("stdlib-10m",),
+                       contexts=(64, 256), speed_tokens=3, speed_repeats=1, speed_budget_s=10.0)
+        if gpu:
+            return cls()
+        return cls(ppl_windows=32, needle_trials=32, needle_distances=(440,), shapes=("stdlib-10m",),
+                   contexts=(256, 1024, 4096, 16384), speed_tokens=16, speed_repeats=2, speed_budget_s=150.0)
+
+
+def _speed_model(shape: str, path: Path, context: int) -> Model:
+    """The GGUF model at path for "stdlib-10m" (its own weights; past its 512-token context only the speed
+    means anything), else a random-weight model of a public Llama shape (`latency.shape_args`)."""
+    if shape == path.stem:
+        return load(path)[0]
+    return random_model(shape_args(shape, context))
+
+
+def bench_kv(model_path: str | Path, plan: KVPlan | None = None, shapes: Sequence[str] | None = None,
+             seed: int = 0, progress=None) -> list[dict]:
+    """Records "kv-ppl" (held-out perplexity and its delta vs float per scheme: the GGUF model at
+    plan.ppl_context, on the stdlib-10m preset's held-out files), "kv-needle" (retrieval rate and
+    log-prob per scheme and distance, plus the float cache on the control prompts), "kv-bytes" (bytes
+    per token per scheme and model shape, from nbytes) and "kv-speed" (tok/s per shape, scheme,
+    context and attention path, its ratio to float, and the crossover context). `shapes` overrides
+    plan.shapes (the GGUF model's file stem, "stdlib-10m", names the GGUF model itself)."""
+    from .train import config_for, read_corpus, token_stream
+
+    plan = plan or KVPlan.for_device(mx.default_device() == mx.gpu)
+    model_path = Path(model_path)
+    if not model_path.is_file():
+        raise OSError(f"no model file {model_path}")
+    shapes = tuple(shapes or plan.shapes)
+    for s in shapes:
+        if s != model_path.stem:
+            shape_args(s)                                  # an unknown shape fails before anything runs
+    say = progress or (lambda msg: None)
+    model, tokenizer = load(model_path)
+    name, dtype = model_path.stem, model.norm.weight.dtype
+    kv_dtype = str(dtype).split(".")[-1]
+    schemes = (FLOAT, *kvquant.CACHES)
+    corpus, fingerprint = read_corpus(config_for("stdlib-10m"))    # its held-out files: never trained on
+    rec = []
+
+    say(f"kv-ppl: {len(schemes)} schemes x {plan.ppl_windows} windows of {plan.ppl_context}")
+    stream = token_stream(tokenizer, corpus["heldout"])
+    ppl = {s: cache_perplexity(model, stream, s, plan.ppl_context, plan.ppl_windows) for s in schemes}
+    for s, p in ppl.items():
+        extra = {"windows": plan.ppl_windows, "tokens": plan.ppl_windows * plan.ppl_context,
+                 "corpus_sha256": fingerprint, "dtype": kv_dtype}
+        rec += [_record("kv-ppl", name, None, s, plan.ppl_context, None, "heldout_perplexity", "ppl", p, **extra),
+                _record("kv-ppl", name, None, s, plan.ppl_context, None, "ppl_delta", "ppl", p - ppl[FLOAT], **extra)]
+
+    for distance in plan.needle_distances:
+        say(f"kv-needle: {plan.needle_trials} trials, needle {distance} tokens back")
+        trials = needle_trials(tokenizer, corpus["heldout"], plan.needle_trials, plan.needle_context, distance, seed)
+        mean_distance = float(np.mean([t.distance for t in trials]))
+        for s, control in [(FLOAT, True)] + [(s, False) for s in schemes]:
+            hits, logp = needle_retrieval(model, trials, s, control)
+            base = ("kv-needle", name, None, s, plan.needle_context, "no-needle" if control else None)
+            extra = {"trials": len(trials), "distance": mean_distance, "dtype": kv_dtype}
+            rec += [_record(*base, "retrieval_rate", "fraction", np.mean(hits), hits, **extra),
+                    _record(*base, "target_logprob", "nats", np.mean(logp), logp, **extra)]
+    del model
+    gc.collect()
+
+    for shape in shapes:
+        say(f"kv-bytes, kv-speed: {shape} at contexts {', '.join(map(str, plan.contexts))}")
+        model = _speed_model(shape, model_path, max(plan.contexts) + plan.speed_tokens + 2)
+        a, dtype = model.args, model.norm.weight.dtype
+        for s in schemes:
+            per_token, fixed = scheme_bytes(s, a.num_key_value_heads, a.head_dim, dtype)
+            rec += [_record("kv-bytes", shape, None, s, None, None, "bytes_per_token", "B",
+                            per_token * a.num_hidden_layers, dtype=str(dtype).split(".")[-1]),
+                    _record("kv-bytes", shape, None, s, None, None, "fixed_bytes", "B", fixed * a.num_hidden_layers,
+                            dtype=str(dtype).split(".")[-1])]
+        points = decode_speed(model, shape, plan.variants, plan.contexts, plan.speed_tokens, plan.speed_repeats,
+                              plan.speed_budget_s, seed)
+        floats = {p.context: p.tokens_per_s for p in points if p.scheme == FLOAT}
+        for p in points:
+            base = ("kv-speed", shape, str(dtype).split(".")[-1].upper(), p.scheme, p.context,
+                    "fused" if p.fused else "dequantized" if p.scheme != FLOAT else None)
+            rec += [_record(*base, "tokens_per_s", "tok/s", p.tokens_per_s, p.tokens_per_s_runs,
+                            tokens=plan.speed_tokens),
+                    _record(*base, "itl_p50_ms", "ms", p.itl_p50_ms),
+                    _record(*base, "vs_float", "ratio", p.tokens_per_s / floats[p.context]),
+                    _record(*base, "cache_bytes", "B", p.cache_bytes)]
+        for s, fused in plan.variants:
+            if s != FLOAT:
+                rec.append(_record("kv-speed", shape, str(dtype).split(".")[-1].upper(), s, None,
+                                   "fused" if fused else "dequantized", "crossover_context", "tokens",
+                                   crossover(points, s, fused), contexts=sorted(floats)))
+        del model
+        gc.collect()
+        mx.clear_cache()
+    return rec

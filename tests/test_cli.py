@@ -208,6 +208,8 @@ BAD = [  # (id, arguments, a word the message must contain); "{text}" etc. name 
     ("quantize-truncated", ["quantize", "{truncated}", "{tmp}/x.gguf"], "truncated"),
     ("quantize-twice", ["quantize", "{quantized}", "{tmp}/x.gguf", "--type", "Q4_0"], "already Q8_0"),
     ("bench-unknown-shape", ["bench", "--shape", "GPT-5"], "no Llama-architecture shape"),
+    ("bench-kv-unknown-shape", ["bench", "--kv", "--shapes", "GPT-5"], "no Llama-architecture shape"),
+    ("bench-kv-missing-model", ["bench", "--kv", "--model", "nope.gguf"], "no model file"),
 ]
 
 
@@ -247,3 +249,39 @@ def test_bench_link_writes_link_records(tmp):
     assert doc["command"].startswith("python -m ref_impl bench --link")
     assert doc["records"] and all(rec["experiment"] == "link" for rec in doc["records"])
     assert "host copy (numpy)" in r.stdout
+
+
+def test_bench_kv_quick_writes_every_kv_experiment(tmp):
+    """`bench --kv --quick`: perplexity and needle records per scheme, bytes per token, decode speed per cache
+    variant (fused attention for the affine schemes) with the crossover, in one results file."""
+    from ref_impl.kvquant import CACHES, FUSED
+
+    out = tmp / "kv"
+    r = cli("bench", "--kv", "--quick", "--out", out, "--label", "cli-kv", timeout=300)
+    assert r.returncode == 0, r.stderr
+    (path,) = out.glob("cli-kv-*.json")
+    records = json.loads(path.read_text())["records"]
+    by = {}
+    for rec in records:
+        by.setdefault(rec["experiment"], []).append(rec)
+    assert set(by) == {"kv-ppl", "kv-needle", "kv-bytes", "kv-speed"}
+    schemes = {"float", *CACHES}
+    for experiment in ("kv-ppl", "kv-needle", "kv-bytes"):
+        assert {rec["kv"] for rec in by[experiment]} == schemes
+    ppl = {rec["kv"]: rec["value"] for rec in by["kv-ppl"] if rec["metric"] == "heldout_perplexity"}
+    delta = {rec["kv"]: rec["value"] for rec in by["kv-ppl"] if rec["metric"] == "ppl_delta"}
+    assert delta == pytest.approx({s: ppl[s] - ppl["float"] for s in schemes})
+    control = [rec for rec in by["kv-needle"] if rec["variant"] == "no-needle" and rec["metric"] == "retrieval_rate"]
+    assert len(control) == 1 and control[0]["kv"] == "float" and set(control[0]["samples"]) <= {0, 1}
+    per_token = {rec["kv"]: rec["value"] for rec in by["kv-bytes"] if rec["metric"] == "bytes_per_token"}
+    assert per_token["float"] == 2 * 6 * 2 * 64 * 4          # K and V, 6 layers, 2 KV heads of 64, float32 on the CPU
+    assert all(per_token[s] < per_token["float"] for s in CACHES)
+    speed = [rec for rec in by["kv-speed"] if rec["metric"] == "tokens_per_s"]
+    fused = {rec["kv"] for rec in speed if rec["variant"] == "fused"}
+    assert fused <= set(FUSED) and {s.split("-")[0][:-1] for s in fused} == {"affine", "outlier"}
+    assert {rec["variant"] for rec in speed if rec["kv"] == "float"} == {None}
+    assert all(rec["value"] > 0 for rec in speed)
+    assert {rec["value"] for rec in by["kv-speed"] if rec["metric"] == "vs_float" and rec["kv"] == "float"} == {1.0}
+    crossings = [rec for rec in by["kv-speed"] if rec["metric"] == "crossover_context"]
+    assert len(crossings) == len({(rec["kv"], rec["variant"]) for rec in speed}) - 1
+    assert "kv-speed" in r.stdout and "crossover_context" in r.stdout

@@ -1,15 +1,18 @@
-"""KV-cache quality: key capture and magnitudes, rounding error, cached perplexity, memory table."""
+"""KV-cache quality: key capture and magnitudes, rounding error, cached perplexity, memory table, needle
+retrieval, decode speed against context."""
 
 from __future__ import annotations
 
 import math
+import re
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from ref_impl import kvquality, roofline, train
-from ref_impl.model import load
+from ref_impl.latency import random_model
+from ref_impl.model import ModelArgs, load
 
 CONTEXT, WINDOWS = 128, 2
 
@@ -110,3 +113,93 @@ def test_memory_table_matches_hand_formulas():
     for c in contexts:
         assert got[("float", c)] == roofline.kv_cache_bytes(shape, c, 2)
     assert {r["vs_float"] for r in rows if r["scheme"] == "float"} == {1.0}
+
+
+# --- needle retrieval -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def needle_setup(shipped_model):
+    _, tokenizer = load(shipped_model, mx.float32)
+    texts = train.read_corpus(train.config_for("stdlib-10m"))[0]["heldout"]
+    return tokenizer, texts
+
+
+def test_needle_prompts_plant_the_name_and_cue_it(needle_setup):
+    tok, texts = needle_setup
+    trials = kvquality.needle_trials(tok, texts, 6, context=512, distance=128, seed=1)
+    assert [t.name for t in trials] == [t.name for t in kvquality.needle_trials(tok, texts, 6, 512, 128, seed=1)]
+    assert [t.name for t in trials] != [t.name for t in kvquality.needle_trials(tok, texts, 6, 512, 128, seed=2)]
+    joined = "".join(texts)
+    for t in trials:
+        word = tok.decode([t.target])
+        prefix = t.name[:-len(word)]
+        assert len(t.prompt) == len(t.control) == 512 and t.prompt[0] == tok.bos_id
+        assert prefix.endswith("_") and re.search(rf"(?<![A-Za-z]){prefix[:-1]}(?![A-Za-z])", joined) is None
+        text, control = tok.decode(t.prompt), tok.decode(t.control)
+        assert text.endswith(f"\n\n    def run(self):\n        self.{prefix}") and control.endswith(prefix)
+        assert text.count(t.name) == 3 and t.name not in control          # def + two calls; none in the control
+        assert 128 - 40 < t.distance <= 128 and t.prompt[-t.distance:] == t.control[-t.distance:]
+        assert tok.decode(t.prompt[:-t.distance]).endswith(f"self.{t.name}()\n        self.{t.name}()\n\n")
+    with pytest.raises(ValueError, match="leaves no room"):
+        kvquality.needle_trials(tok, texts, 1, context=512, distance=500)
+
+
+def test_needle_float_cache_retrieves_and_control_does_not(shipped, needle_setup):
+    """At 128 tokens the float model copies most needles; without one it never guesses the word. The cached
+    prefill reads what an uncached forward computes."""
+    model, _ = shipped
+    trials = kvquality.needle_trials(*needle_setup, 8, context=512, distance=128, seed=0)
+    hits, logp = kvquality.needle_retrieval(model, trials, kvquality.FLOAT, batch=4)
+    control_hits, control_logp = kvquality.needle_retrieval(model, trials, kvquality.FLOAT, control=True)
+    assert sum(hits) >= 5 and sum(control_hits) == 0
+    assert np.mean(logp) > np.mean(control_logp) + 3
+    logits = model(mx.array([t.prompt for t in trials]))[:, -1].astype(mx.float32)
+    target = mx.array([t.target for t in trials])
+    assert hits == (mx.argmax(logits, axis=-1) == target).tolist()
+    want = (mx.take_along_axis(logits, target[:, None], -1)[:, 0] - mx.logsumexp(logits, axis=-1)).tolist()
+    np.testing.assert_allclose(logp, want, rtol=1e-4, atol=1e-4)
+
+
+# --- decode speed -------------------------------------------------------------------------------------
+
+SMALL = ModelArgs(vocab_size=128, hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)   # head_dim 64
+
+
+def test_fill_random_stores_context_positions():
+    model = random_model(SMALL, mx.float32)
+    for scheme in (kvquality.FLOAT, "affine4-g64", "kivi4"):
+        caches = kvquality.make_scheme_caches(model, scheme, 1, 100)
+        kvquality.fill_random(caches, 70, chunk=32)
+        for c in caches:
+            keys, values = c.state
+            assert c.offset == 70 and keys.shape == values.shape == (1, 1, 70, 64)
+            assert 0.8 < np.array(keys).std() < 1.2 and not np.array_equal(np.array(keys), np.array(values))
+    with pytest.raises(ValueError, match="takes no parameters"):
+        kvquality.make_scheme_caches(model, kvquality.FLOAT, 1, 8, fused=True)
+
+
+def test_decode_speed_measures_every_variant_at_each_context():
+    model = random_model(SMALL, mx.float32)
+    variants = [(kvquality.FLOAT, False), ("affine4-g64", False), ("affine4-g64", True), ("kivi4", False)]
+    points = kvquality.decode_speed(model, "small", variants, [40, 16], n_tokens=3, repeats=2)
+    assert [(p.context, p.scheme, p.fused) for p in points] == [(c, s, f) for c in (16, 40) for s, f in variants]
+    for p in points:
+        assert p.model == "small" and p.tokens_per_s > 0 and len(p.tokens_per_s_runs) == 2 and p.itl_p50_ms > 0
+    size = {(p.scheme, p.fused, p.context): p.cache_bytes for p in points}
+    assert size[("affine4-g64", True, 40)] == size[("affine4-g64", False, 40)] < size[(kvquality.FLOAT, False, 40)]
+    assert size[(kvquality.FLOAT, False, 40)] == 2 * 2 * 64 * (40 + 3 + 2) * 4     # layers, K and V, f32
+    assert [p.context for p in kvquality.decode_speed(model, "small", variants[:1], [8, 16], 3, 1, budget_s=0.0)] == [8]
+
+
+def test_crossover_is_where_the_variant_stays_faster():
+    def points(float_rates, rates):
+        ctx = [256, 1024, 4096, 16384]
+        return ([kvquality.SpeedPoint("m", kvquality.FLOAT, False, c, r, [r], 1.0, 0) for c, r in zip(ctx, float_rates)]
+                + [kvquality.SpeedPoint("m", "sym8", False, c, r, [r], 1.0, 0) for c, r in zip(ctx, rates)])
+
+    assert kvquality.crossover(points([10, 10, 8, 5], [7, 9, 9, 6]), "sym8", False) == 4096
+    assert kvquality.crossover(points([10, 10, 8, 5], [11, 9, 9, 6]), "sym8", False) == 4096    # not 256: it dips
+    assert kvquality.crossover(points([10, 10, 8, 5], [11, 11, 9, 6]), "sym8", False) == 256
+    assert kvquality.crossover(points([10, 10, 8, 5], [11, 11, 9, 4]), "sym8", False) is None   # slower at the end
+    assert kvquality.crossover(points([10, 10, 8, 5], [11, 11, 9, 6]), "sym8", True) is None    # no such variant
