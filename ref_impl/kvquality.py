@@ -343,6 +343,7 @@ def fill_random(caches: Sequence[KVCache], context: int, seed: int = 0, chunk: i
             key, sub = mx.random.split(key)
             kv = mx.random.normal((2, B, H, min(chunk, context - start), D), key=sub).astype(cache.keys.dtype)
             cache.update_and_fetch(kv[0], kv[1])
+        mx.eval(cache.state)      # the stored buffers, one layer at a time (bounds the lazy graph and memory)
 
 
 @dataclass
