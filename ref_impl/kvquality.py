@@ -359,11 +359,6 @@ class SpeedPoint:
     cache_bytes: int                   # all layers' caches, allocated for context + n_tokens + 2 positions
 
 
-def variant_name(scheme: str, fused: bool) -> str:
-    """"float", "affine4-g64" (dequantized attention) or "affine4-g64+fused": one label per cache variant."""
-    return scheme + ("+fused" if fused else "")
-
-
 def decode_speed(model: Model, name: str, variants: Sequence[tuple[str, bool]], contexts: Sequence[int],
                  n_tokens: int = 32, repeats: int = 3, budget_s: float = math.inf, seed: int = 0) -> list[SpeedPoint]:
     """Decode tokens/s of each (scheme, fused) variant at each context, shortest first.
@@ -371,16 +366,20 @@ def decode_speed(model: Model, name: str, variants: Sequence[tuple[str, bool]], 
     Per context every variant's caches are built and filled with `fill_random`; then a warm-up run and
     `repeats` rounds that decode n_tokens with every variant in turn (`generate_step` pipelined, one
     random token as the prompt), trimming each cache back to `context` after its run, so a busy
-    neighbour slows all variants alike. Stops before a context whose likely cost (the last one's,
-    scaled by the length ratio) would overrun budget_s."""
+    neighbour slows all variants alike. Stops before a context whose likely cost would overrun
+    budget_s: the last context's cost, extrapolated along the line through the last two (a step reads
+    fixed weights plus a cache that grows with the context)."""
     if n_tokens < 2 or repeats < 1 or not variants:
         raise ValueError(f"decode_speed needs n_tokens >= 2, repeats >= 1 and a variant; got {n_tokens}, {repeats}")
     token = int(np.random.default_rng(seed).integers(1, model.args.vocab_size))
-    out, start, last = [], time.perf_counter(), None
+    out, start, costs = [], time.perf_counter(), []
     for context in sorted(contexts):
-        if last is not None and time.perf_counter() - start + last[1] * context / last[0] > budget_s:
-            break
-        t0 = time.perf_counter()
+        if costs:
+            (c0, t0), (c1, t1) = costs[-2:] if len(costs) > 1 else costs * 2
+            likely = t1 + (t1 - t0) / (c1 - c0) * (context - c1) if c1 > c0 else t1
+            if time.perf_counter() - start + likely > budget_s:
+                break
+        begun = time.perf_counter()
         caches = {v: make_scheme_caches(model, v[0], 1, context + n_tokens + 2, fused=v[1]) for v in variants}
         for c in caches.values():
             fill_random(c, context, seed)
@@ -401,7 +400,7 @@ def decode_speed(model: Model, name: str, variants: Sequence[tuple[str, bool]], 
         del caches
         gc.collect()
         mx.clear_cache()
-        last = (context, time.perf_counter() - t0)
+        costs.append((context, time.perf_counter() - begun))
     return out
 
 
