@@ -24,8 +24,11 @@ Attention path, two of them, chosen by the constructor flag `fused` (default Fal
   `quantized_attention`, two `mx.quantized_matmul`s straight on the packed codes (q.K^T with
   transpose=True, softmax, p.V with transpose=False), as mlx-lm's
   `models/base.py: quantized_scaled_dot_product_attention` does. The outlier cache adds q.K^T of
-  its float16 channels. MLX has no quantized kernel for symmetric codes or KIVI's per-channel
-  key blocks, so those stay dequantized.
+  its float16 channels. No float history is made, but the filled codes are copied to contiguous
+  rows each step (MLX's CUDA kernels need them; its CPU kernel copies them itself), so a step
+  moves about 3x the codes' bytes against the dequantized path's codes + 2x float.
+  MLX has no quantized kernel for symmetric codes or KIVI's per-channel key blocks, so those
+  stay dequantized. `kvquality.decode_speed` measures both paths against the float cache.
 
 MLX's affine rule (mx.quantize) is not plain min/max: it snaps the group's edge of larger
 magnitude to an exact code and rescales so that zero is a code, which can shorten the grid at
