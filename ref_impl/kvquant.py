@@ -24,9 +24,12 @@ Attention path, two of them, chosen by the constructor flag `fused` (default Fal
   `quantized_attention`, two `mx.quantized_matmul`s straight on the packed codes (q.K^T with
   transpose=True, softmax, p.V with transpose=False), as mlx-lm's
   `models/base.py: quantized_scaled_dot_product_attention` does. The outlier cache adds q.K^T of
-  its float16 channels. No float history is made, but the filled codes are copied to contiguous
-  rows each step (MLX's CUDA kernels need them; its CPU kernel copies them itself), so a step
-  moves about 3x the codes' bytes against the dequantized path's codes + 2x float.
+  its float16 channels. No float history is made. The matmuls read the whole pre-allocated
+  buffers, max_size slots, with the unfilled ones masked, as gpt-fast attends over its static
+  cache: the filled part alone, buffer[:, :, :offset], is a strided view, which MLX's CUDA
+  quantized matmul has no kernel for (its CPU one copies it to rows), and a copy per step would
+  move 3x the codes' bytes instead of 1x. So size a fused cache for the request, as `generate`
+  sizes its cache and `kvquality.decode_speed` does: a step costs max_size positions, not offset.
   MLX has no quantized kernel for symmetric codes or KIVI's per-channel key blocks, so those
   stay dequantized. `kvquality.decode_speed` measures both paths against the float cache.
 
@@ -99,36 +102,41 @@ def _check_affine(bits: int, group: int, width: int, what: str):
 
 # --- fused attention on affine codes ----------------------------------------------------------
 
-def _mask_rows(mask, B: int, H: int, L: int, T: int, n_kv: int) -> mx.array:
-    """A mask for scores laid out as `quantized_attention`'s rows: (n_rep * L, T) or (B, n_kv, n_rep * L, T)."""
+def _mask_rows(mask, B: int, H: int, L: int, n: int, T: int, n_kv: int) -> mx.array | None:
+    """`mask` (over the n filled keys) for scores laid out as `quantized_attention`'s rows, over all T
+    key slots, the n .. T-1 past the filled part hidden: None, (1, T), (n_rep * L, T) or (B, n_kv, n_rep * L, T)."""
+    if mask is None:
+        return None if n == T else mx.arange(T)[None] < n
     if isinstance(mask, str):
         if mask != "causal":
             raise ValueError(f"mask must be None, 'causal' or an array; got {mask!r}")
-        causal = mx.arange(T - L, T)[:, None] >= mx.arange(T)[None]   # query l sees keys 0 .. T - L + l
+        causal = mx.arange(T)[None] <= mx.arange(n - L, n)[:, None]   # query l sees keys 0 .. n - L + l
         return mx.tile(causal, (H // n_kv, 1))
-    return mx.broadcast_to(mask, (B, H, L, T)).reshape(B, n_kv, H // n_kv * L, T)
+    hidden = False if mask.dtype == mx.bool_ else mx.finfo(mask.dtype).min
+    mask = mx.pad(mx.broadcast_to(mask, (B, H, L, n)), [(0, 0)] * 3 + [(0, T - n)], constant_values=hidden)
+    return mask.reshape(B, n_kv, H // n_kv * L, T)
 
 
 def quantized_attention(q: mx.array, k_quant: Sequence[mx.array], v_quant: Sequence[mx.array], scale: float,
                         mask=None, group: int = 64, bits: int = 8,
-                        k_float: tuple[mx.array, mx.array] | None = None) -> mx.array:
+                        k_float: tuple[mx.array, mx.array] | None = None, length: int | None = None) -> mx.array:
     """softmax(scale q.K^T + mask).V for q (B, H, L, D), read straight from affine codes: k_quant and
-    v_quant are mx.quantize's (codes, scales, biases) of keys and values (B, n_kv_heads, T, D).
+    v_quant are mx.quantize's (codes, scales, biases) of keys and values (B, n_kv_heads, T, D), of
+    which the first `length` (default T) are filled; the queries are the last L of those.
 
     Grouped-query attention without repeating K/V: the n_rep = H / n_kv_heads query heads sharing a
     KV head (head h uses KV head h // n_rep, MLX's and Llama's order) are stacked as rows,
     (B, n_kv_heads, n_rep * L, D), so each head's codes are read once by `mx.quantized_matmul`.
     mask: None, "causal" (aligned with the last L keys, as in mx.fast.scaled_dot_product_attention),
-    or a boolean (True attends) or additive array broadcastable to (B, H, L, T). k_float: optional
-    (channels (n_kv_heads, n), keys (B, n_kv_heads, T, n)) of key channels held in float, whose
-    slots in the codes are ignored (OutlierKVCache). The recipe is mlx-lm's
-    `models/base.py: quantized_scaled_dot_product_attention`; the row layout is ours.
+    or a boolean (True attends) or additive array broadcastable to (B, H, L, length). k_float:
+    optional (channels (n_kv_heads, n), keys (B, n_kv_heads, T, n)) of key channels held in float,
+    whose slots in the codes are ignored (OutlierKVCache). The recipe is mlx-lm's
+    `models/base.py: quantized_scaled_dot_product_attention`; the row layout and the slots past
+    `length`, masked (gpt-fast's static-cache attention), are ours.
     """
     B, H, L, D = q.shape
     n_kv, T = k_quant[0].shape[1], k_quant[0].shape[2]
-    # a cache's filled part is a strided view of its (B, H, max_size, .) buffers: MLX's CUDA quantized
-    # matmul has no kernel for it (its CPU one copies it to rows itself), so copy it here
-    k_quant, v_quant = ([mx.contiguous(a) for a in parts] for parts in (k_quant, v_quant))
+    length = T if length is None else length
     rows = (q * scale).reshape(B, n_kv, H // n_kv * L, D)                   # (B, Hkv, n_rep * L, D)
     if k_float is not None:
         channels, keys = k_float
@@ -138,8 +146,8 @@ def quantized_attention(q: mx.array, k_quant: Sequence[mx.array], v_quant: Seque
     scores = mx.quantized_matmul(rows, *k_quant, transpose=True, group_size=group, bits=bits)   # (B, Hkv, R, T)
     if k_float is not None:
         scores = scores + extra
+    mask = _mask_rows(mask, B, H, L, length, T, n_kv)
     if mask is not None:
-        mask = _mask_rows(mask, B, H, L, T, n_kv)
         scores = mx.where(mask, scores, mx.finfo(scores.dtype).min) if mask.dtype == mx.bool_ else scores + mask
     probs = mx.softmax(scores, axis=-1, precise=True)
     out = mx.quantized_matmul(probs, *v_quant, transpose=False, group_size=group, bits=bits)
@@ -222,9 +230,11 @@ class AffineKVCache(KVCache):
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.array:
         """Store k, v (B, Hkv, L, D) as update_and_fetch does, then attention of q (B, H, L, D) over the
-        whole history on the packed codes (`quantized_attention`): (B, H, L, D)."""
+        whole history on the packed codes (`quantized_attention`): (B, H, L, D). It reads all max_size
+        slots, the unfilled ones masked (see the module docstring)."""
         self._store(k, v, self._end(k, v))
-        return quantized_attention(q, *self._codes(), scale, mask, self.group, self.bits)
+        return quantized_attention(q, self.k_quant, self.v_quant, scale, mask, self.group, self.bits,
+                                   length=self.offset)
 
     @property
     def state(self) -> tuple[mx.array, mx.array]:
@@ -373,8 +383,8 @@ class OutlierKVCache(AffineKVCache):
     def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.array:
         """AffineKVCache.attend, plus the float16 outlier channels' share of q.K^T."""
         self._store(k, v, self._end(k, v))
-        outliers = (self.channels, self.k_outliers[:, :, :self.offset])
-        return quantized_attention(q, *self._codes(), scale, mask, self.group, self.bits, outliers)
+        return quantized_attention(q, self.k_quant, self.v_quant, scale, mask, self.group, self.bits,
+                                   (self.channels, self.k_outliers), self.offset)
 
     @property
     def state(self) -> tuple[mx.array, mx.array]:

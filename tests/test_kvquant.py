@@ -160,8 +160,8 @@ def random_mask(seed: int, n_heads: int, L: int, T: int, boolean: bool) -> mx.ar
 @pytest.mark.parametrize("n_heads", [2, 6])
 def test_fused_attention_equals_dequantized(kind, n_heads):
     """Prefill chunks (causal, boolean and additive masks) then single-token decode steps, at several
-    offsets: `attend` on the codes gives mx.fast.scaled_dot_product_attention on the dequantized
-    history, for plain (n_heads = H) and grouped-query (n_heads = 3 H) attention."""
+    offsets, and a step after a trim: `attend` on the codes gives mx.fast.scaled_dot_product_attention
+    on the dequantized history, for plain (n_heads = H) and grouped-query (n_heads = 3 H) attention."""
     k, v = random_kv(11, 120, 2.0, outlier_gain=6.0)
     q = np.random.default_rng(12).standard_normal((B, n_heads, 120, D)).astype(np.float32)
     plain, fused = kvquant.CACHES[kind](B, H, D, 128), kvquant.CACHES[kind](B, H, D, 128, fused=True)
@@ -177,6 +177,11 @@ def test_fused_attention_equals_dequantized(kind, n_heads):
         got = fused.attend(qq, kk, vv, s, mask)
         assert got.shape == (B, n_heads, L, D) and fused.offset == plain.offset == start + L
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-5, err_msg=f"{start}+{L} {how}")
+    # after a trim the forgotten slots still hold codes: the fused path must not read them
+    assert plain.trim(30) == fused.trim(30) == 30
+    kk, vv, qq = mx.array(k[:, :, :1] * 5), mx.array(v[:, :, :1] * 5), mx.array(q[:, :, :1])
+    want = mx.fast.scaled_dot_product_attention(qq, *plain.update_and_fetch(kk, vv), scale=s)
+    np.testing.assert_allclose(np.array(fused.attend(qq, kk, vv, s)), np.array(want), rtol=1e-4, atol=1e-5)
 
 
 def test_fused_only_where_mlx_has_a_kernel():
