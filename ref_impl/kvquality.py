@@ -51,7 +51,7 @@ from . import kvquant, roofline
 from .bench import _summarize, _time_tokens
 from .generate import Sampler, generate_step, prefill
 from .kvcache import KVCache
-from .latency import _record, random_model, shape_args
+from .latency import _dtype_name, _record, random_model, shape_args
 from .model import Model, load
 from .tokenizer import Tokenizer
 
@@ -475,13 +475,17 @@ def bench_kv(model_path: str | Path, plan: KVPlan | None = None, shapes: Sequenc
     if not model_path.is_file():
         raise OSError(f"no model file {model_path}")
     shapes = tuple(shapes or plan.shapes)
-    for s in shapes:
-        if s != model_path.stem:
-            shape_args(s)                                  # an unknown shape fails before anything runs
-    say = progress or (lambda msg: None)
     model, tokenizer = load(model_path)
-    name, dtype = model_path.stem, model.norm.weight.dtype
-    kv_dtype = str(dtype).split(".")[-1]
+    for shape in shapes:     # an unknown shape, or one a scheme cannot hold (e.g. groups of 64 in a head of 32),
+        a = model.args if shape == model_path.stem else shape_args(shape)         # fails before anything runs
+        for s, fused in plan.variants:
+            try:
+                if s != FLOAT:
+                    kvquant.make_caches(s, 1, 1, a.num_key_value_heads, a.head_dim, 1, fused=fused)
+            except ValueError as e:
+                raise ValueError(f"shape {shape} cannot hold a {s} cache: {e}") from e
+    say = progress or (lambda msg: None)
+    name, kv_dtype = model_path.stem, _dtype_name(model)          # f32 on the CPU, f16 on a GPU
     schemes = (FLOAT, *kvquant.CACHES)
     corpus, fingerprint = read_corpus(config_for("stdlib-10m"))    # its held-out files: never trained on
     rec = []
@@ -511,18 +515,18 @@ def bench_kv(model_path: str | Path, plan: KVPlan | None = None, shapes: Sequenc
     for shape in shapes:
         say(f"kv-bytes, kv-speed: {shape} at contexts {', '.join(map(str, plan.contexts))}")
         model = _speed_model(shape, model_path, max(plan.contexts) + plan.speed_tokens + 2)
-        a, dtype = model.args, model.norm.weight.dtype
+        a, dtype, dt = model.args, model.norm.weight.dtype, _dtype_name(model)
         for s in schemes:
             per_token, fixed = scheme_bytes(s, a.num_key_value_heads, a.head_dim, dtype)
             rec += [_record("kv-bytes", shape, None, s, None, None, "bytes_per_token", "B",
-                            per_token * a.num_hidden_layers, dtype=str(dtype).split(".")[-1]),
+                            per_token * a.num_hidden_layers, dtype=dt),
                     _record("kv-bytes", shape, None, s, None, None, "fixed_bytes", "B", fixed * a.num_hidden_layers,
-                            dtype=str(dtype).split(".")[-1])]
+                            dtype=dt)]
         points = decode_speed(model, shape, plan.variants, plan.contexts, plan.speed_tokens, plan.speed_repeats,
                               plan.speed_budget_s, seed)
         floats = {p.context: p.tokens_per_s for p in points if p.scheme == FLOAT}
         for p in points:
-            base = ("kv-speed", shape, str(dtype).split(".")[-1].upper(), p.scheme, p.context,
+            base = ("kv-speed", shape, dt.upper(), p.scheme, p.context,
                     "fused" if p.fused else "dequantized" if p.scheme != FLOAT else None)
             rec += [_record(*base, "tokens_per_s", "tok/s", p.tokens_per_s, p.tokens_per_s_runs,
                             tokens=plan.speed_tokens),
@@ -531,7 +535,7 @@ def bench_kv(model_path: str | Path, plan: KVPlan | None = None, shapes: Sequenc
                     _record(*base, "cache_bytes", "B", p.cache_bytes)]
         for s, fused in plan.variants:
             if s != FLOAT:
-                rec.append(_record("kv-speed", shape, str(dtype).split(".")[-1].upper(), s, None,
+                rec.append(_record("kv-speed", shape, dt.upper(), s, None,
                                    "fused" if fused else "dequantized", "crossover_context", "tokens",
                                    crossover(points, s, fused), contexts=sorted(floats)))
         del model
