@@ -180,10 +180,11 @@ def cmd_bench(a: argparse.Namespace) -> None:
             where = f"gamma={r['gamma']}" if r["gamma"] is not None else f"T={r['temperature']}"
             print(f"  {r['experiment']:<11} {r['model']:<13} {drafter:<28} {where:<9} {r['metric']:<8} {r['value']:8.3f}")
     for r in records if a.kv else []:
-        if r["metric"] in ("ppl_delta", "retrieval_rate", "bytes_per_token", "vs_float", "crossover_context"):
+        if r["metric"] in ("ppl_delta", "retrieval_rate", "bytes_per_token", "vs_float", "crossover_context",
+                           "skipped"):
             value = "-" if r["value"] is None else f"{r['value']:.3f}"
             print(f"  {r['experiment']:<9} {r['model']:<13} {r['kv']:<12} {r['variant'] or '':<11} "
-                  f"{r['context'] or '':>6} {r['metric']:<17} {value:>10} {r['unit']}")
+                  f"{r['context'] or '':>6} {r['metric']:<17} {value:>10} {r['unit'] or ''} {r.get('note', '')}")
     for r in records if a.dispatch else []:
         if r["metric"] in ("gain", "slowdown", "launch_us", "break_even_elements", "itl_max_ms", "first_over_steady"):
             value = "-" if r["value"] is None else f"{r['value']:.3f}"

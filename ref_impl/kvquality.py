@@ -452,6 +452,20 @@ class KVPlan:
                    contexts=(256, 1024, 4096, 16384), speed_tokens=16, speed_repeats=2, speed_budget_s=150.0)
 
 
+def _fused_failure(scheme: str, args, dtype: mx.Dtype) -> str | None:
+    """Why fused attention of `scheme` fails on this device for a model of args' head shape, or None: a
+    prefill chunk and a decode step on a small cache (MLX's quantized matmul lacks some cases on CUDA)."""
+    cache = kvquant.make_caches(scheme, 1, 1, args.num_key_value_heads, args.head_dim, 8, dtype, fused=True)[0]
+    try:
+        for L, mask in ((3, "causal"), (1, None)):
+            q = mx.zeros((1, args.num_attention_heads, L, args.head_dim), dtype)
+            kv = mx.zeros((1, args.num_key_value_heads, L, args.head_dim), dtype)
+            mx.eval(cache.attend(q, kv, kv, 1.0, mask))
+    except (RuntimeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def _speed_model(shape: str, path: Path, context: int) -> Model:
     """The GGUF model at path for "stdlib-10m" (its own weights; past its 512-token context only the speed
     means anything), else a random-weight model of a public Llama shape (`latency.shape_args`)."""
@@ -522,7 +536,11 @@ def bench_kv(model_path: str | Path, plan: KVPlan | None = None, shapes: Sequenc
                             per_token * a.num_hidden_layers, dtype=dt),
                     _record("kv-bytes", shape, None, s, None, None, "fixed_bytes", "B", fixed * a.num_hidden_layers,
                             dtype=dt)]
-        points = decode_speed(model, shape, plan.variants, plan.contexts, plan.speed_tokens, plan.speed_repeats,
+        failed = {s: _fused_failure(s, a, dtype) for s, fused in plan.variants if fused}
+        rec += [_record("kv-speed", shape, dt.upper(), s, None, "fused", "skipped", None, None, note=note)
+                for s, note in failed.items() if note]
+        variants = [(s, fused) for s, fused in plan.variants if not (fused and failed[s])]
+        points = decode_speed(model, shape, variants, plan.contexts, plan.speed_tokens, plan.speed_repeats,
                               plan.speed_budget_s, seed)
         floats = {p.context: p.tokens_per_s for p in points if p.scheme == FLOAT}
         for p in points:
@@ -533,7 +551,7 @@ def bench_kv(model_path: str | Path, plan: KVPlan | None = None, shapes: Sequenc
                     _record(*base, "itl_p50_ms", "ms", p.itl_p50_ms),
                     _record(*base, "vs_float", "ratio", p.tokens_per_s / floats[p.context]),
                     _record(*base, "cache_bytes", "B", p.cache_bytes)]
-        for s, fused in plan.variants:
+        for s, fused in variants:
             if s != FLOAT:
                 rec.append(_record("kv-speed", shape, dt.upper(), s, None,
                                    "fused" if fused else "dequantized", "crossover_context", "tokens",
