@@ -20,7 +20,7 @@ IMPLEMENTED = ("C03", "C04", "C07", "C08", "C10", "C11", "C14", "C18", "C19", "C
                "C01", "C21", "C31",
                "C02", "C09", "C15", "C28",
                "C16",
-               "C12", "C30", "C05", "C17", "C20")
+               "C12", "C30", "C05", "C17", "C20", "C06")
 IDS = [f"C{i:02d}" for i in range(1, 33)]
 
 
@@ -573,3 +573,21 @@ def test_c17_c20_read_the_recorded_perplexities():
     assert v20.evidence["memory saved by outlier4 (4 fp16 key channels per head, 4-bit g32)"].value == pytest.approx(
         100 * (1 - 1344 / 4096))
     assert v20.status == ("qualified" if d["delta"]["outlier4"] < 0.1 else "refuted")
+
+
+# ---- Speculative decoding (C06, C13, C22, C24) ---------------------------------------------------------
+
+def test_c06_exactness_is_a_test_that_can_fail():
+    p_rule, p_broken = claims._exactness()
+    assert p_rule > 1e-3 > p_broken
+    v = claims.check("C06", live=False)
+    assert v.status == "qualified" and f"p = {p_rule:.2f}" in v.summary
+
+
+def test_spec_speedups_are_the_recorded_ones():
+    for label, d in claims.spec_recorded().items():
+        for key, m in d["speed"].items():
+            best = claims._best_speedup(d["speed"], model=key[0], variant=key[1], alpha_set=key[3])
+            assert best[0] >= max(m["speedup"].values()) - 1e-12
+            for g, s in m["speedup"].items():     # a speedup is tokens/s over the plain decoder's, > 0
+                assert s > 0 and m["tokens_per_s"][g] > 0
