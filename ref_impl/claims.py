@@ -1572,7 +1572,7 @@ def check_c17(live: bool) -> Verdict:
         source = f"live ({platform.machine()}, shipped model, 512 held-out tokens); "
     best = _kv_best()
     if best is None:
-        return Verdict("pending", "No kv-ppl results recorded yet: run `python -m ref_impl bench --kv`.", ev)
+        return Verdict("pending", "Not checked yet: the kv-cache chapter's results are not recorded (`python -m ref_impl bench --kv`).", ev)
     label, d = best
     rel = {s: 100 * d["delta"][s] / d["ppl"]["float"] for s in d["delta"]}
     ev |= {f"perplexity, float cache ({label}, {d['windows']} windows of 512)": Number(d["ppl"]["float"], "ppl")}
@@ -1602,7 +1602,7 @@ def check_c20(live: bool) -> Verdict:
           "memory saved by 4-bit g64 with no outlier channels (the ceiling)": Number(ceiling, "%")}
     best = _kv_best()
     if best is None:
-        return Verdict("pending", "No kv-ppl results recorded yet: run `python -m ref_impl bench --kv`.", ev)
+        return Verdict("pending", "Not checked yet: the kv-cache chapter's results are not recorded (`python -m ref_impl bench --kv`).", ev)
     label, d = best
     delta = d["delta"]["outlier4"]
     ev |= {f"perplexity delta, outlier4 ({label})": Number(delta, "ppl"),
@@ -1775,7 +1775,7 @@ def check_c24(live: bool) -> Verdict:
     gpu = {f"{m} on {label}": max(r.items())[1] for label, d in rec.items() if d["backend"] != "cpu"
            for m, r in d["forward"].items()}
     if not ev:
-        return Verdict("pending", "No spec-forward results recorded yet: run `python -m ref_impl bench --spec`.", ev)
+        return Verdict("pending", "Not checked yet: the speculative chapter's results are not recorded (`python -m ref_impl bench --spec`).", ev)
     big = max(gpu, key=gpu.get) if gpu else None
     summary = ("A forward over several positions multiplies each weight matrix by a few activation rows at once, "
                "reading every weight once")
@@ -1808,7 +1808,7 @@ def check_c22(live: bool) -> Verdict:
             ev[f"{model} / {drafter}: draft cost c ({label})"] = Number(c, "target steps")
             rows.append((label, model, drafter, a, m["speedup"][g], c))
     if not rows:
-        return Verdict("pending", "No spec-speed results recorded yet: run `python -m ref_impl bench --spec`.", ev)
+        return Verdict("pending", "Not checked yet: the speculative chapter's results are not recorded (`python -m ref_impl bench --spec`).", ev)
     at60 = [r for r in rows if r[3] == 0.6]
     lo, hi = min(r[4] for r in at60), max(r[4] for r in at60)
     be = {r[5]: break_even_alpha(1, r[5]) for r in at60}
@@ -1837,7 +1837,7 @@ def check_c13(live: bool) -> Verdict:
         if best:
             ev[f"MTP, best measured speedup (γ = {best[1]}, {label})"] = Number(best[0], "×")
     if not ev:
-        return Verdict("pending", "No MTP results recorded yet: run `python -m ref_impl bench --spec`.", ev)
+        return Verdict("pending", "Not checked yet: the speculative chapter's MTP results are not recorded (`python -m ref_impl bench --spec`).", ev)
     speeds = {k: n.value for k, n in ev.items() if "speedup" in k}
     summary = ("The mechanism is as stated: mtp.py's heads draft from the hidden state the last verification already "
                "produced, and one forward over γ+1 positions verifies them (no second model, no extra pass); "
