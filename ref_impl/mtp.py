@@ -83,12 +83,16 @@ def check_heads(heads: MTPHeads, model: Model) -> None:
 
 # ---------------------------------------------------------------------------------------- file
 
+def gguf_names(k: int) -> dict[str, str]:
+    """GGUF tensor name -> MTPHeads parameter name: head j (1..k) is mtp.<j>.weight and mtp.<j>.bias."""
+    return {f"mtp.{j + 1}.{leaf}": f"layers.{j}.{leaf}" for j in range(k) for leaf in ("weight", "bias")}
+
+
 def save_heads(heads: MTPHeads, path: str | Path, metadata: dict | None = None) -> None:
-    """Write the heads as a float32 GGUF file: tensors mtp.<j>.weight/bias for head j = 1..k."""
-    tensors = {}
-    for j, layer in enumerate(heads.layers, start=1):
-        tensors[f"mtp.{j}.weight"] = np.array(layer.weight.astype(mx.float32))
-        tensors[f"mtp.{j}.bias"] = np.array(layer.bias.astype(mx.float32))
+    """Write the heads as a float32 GGUF file, with metadata naming k, the width, the architecture and
+    the base model (not a llama file: llama.cpp does not load it)."""
+    params = dict(nn.utils.tree_flatten(heads.parameters()))
+    tensors = {name: np.array(params[mlx_name].astype(mx.float32)) for name, mlx_name in gguf_names(heads.k).items()}
     gguf.write(path, {"general.architecture": ARCHITECTURE, "general.file_type": 0,
                       "mtp.head_count": heads.k, "mtp.embedding_length": heads.hidden_size,
                       "mtp.head_architecture": HEAD_ARCHITECTURE, "mtp.base_model": heads.base_model,
@@ -110,21 +114,19 @@ def load_heads(path: str | Path, model: Model | None = None, dtype: mx.Dtype | N
             raise ValueError(f"{path} holds heads of another architecture: {meta['mtp.head_architecture']!r}")
         k, d = int(meta["mtp.head_count"]), int(meta["mtp.embedding_length"])
         heads = MTPHeads(d, k, str(meta.get("mtp.base_model", "")))
-        expected = {f"mtp.{j}.{leaf}": (d, d) if leaf == "weight" else (d,)
-                    for j in range(1, k + 1) for leaf in ("weight", "bias")}
-        missing = sorted(set(expected) - set(f.tensors))
+        names, expected = gguf_names(k), dict(nn.utils.tree_flatten(heads.parameters()))
+        missing = sorted(set(names) - set(f.tensors))
         if missing:
             raise ValueError(f"{path} lacks tensor(s) {', '.join(missing)} for its {k} heads")
-        extra = sorted(set(f.tensors) - set(expected))
+        extra = sorted(set(f.tensors) - set(names))
         if extra:
             raise ValueError(f"{path} has unexpected tensor(s) {', '.join(extra)} for {k} heads")
-        for name, shape in expected.items():
-            if tuple(f.tensors[name].shape) != shape:
+        for name, mlx_name in names.items():
+            if tuple(f.tensors[name].shape) != expected[mlx_name].shape:
                 raise ValueError(f"{path}: tensor {name!r} has shape {tuple(f.tensors[name].shape)}, "
-                                 f"heads of width {d} need {shape}")
+                                 f"heads of width {d} need {expected[mlx_name].shape}")
         dtype = dtype or default_dtype()
-        heads.load_weights([(f"layers.{int(name.split('.')[1]) - 1}.{name.split('.')[2]}",
-                             mx.array(f.dequantize(name)).astype(dtype)) for name in expected])
+        heads.load_weights([(mlx_name, mx.array(f.dequantize(name)).astype(dtype)) for name, mlx_name in names.items()])
     mx.eval(heads.parameters())
     if model is not None:
         check_heads(heads, model)
@@ -210,9 +212,8 @@ def mtp_decode(model: Model, heads: MTPHeads, prompt: list[int], max_tokens: int
 class MTPConfig:
     base: str = "models/stdlib-10m.gguf"
     k: int = 4
-    pool_tokens: int = 131_072          # training positions whose hidden states are computed once
-    window: int = 128                   # pool windows: short ones cover more files for the same compute
-    distill: bool = False               # targets: the model's own argmax at t+1+j instead of the text's token
+    pool_tokens: int = 262_144          # training positions whose hidden states are computed once
+    window: int = 256                   # pool windows: shorter than the context, to cover more files
     steps: int = 1500
     batch_size: int = 512               # positions per step, drawn at random from the pool
     learning_rate: float = 1e-3
@@ -324,7 +325,7 @@ def train_heads(cfg: MTPConfig, out_dir: Path, progress: bool = True) -> dict:
     for it in bar:
         ts = time.perf_counter()
         rows = rng.integers(0, len(pool.hidden), cfg.batch_size)
-        loss = step(mx.array(pool.hidden[rows]), mx.array((pool.greedy if cfg.distill else pool.tokens)[rows, 1:]))
+        loss = step(mx.array(pool.hidden[rows]), mx.array(pool.tokens[rows, 1:]))
         mx.eval(state, loss)
         step_times.append(time.perf_counter() - ts)
         losses.append(loss.item())

@@ -155,8 +155,8 @@ def test_shipped_heads_beat_chance_on_heldout_text(shipped):
     print(f"held-out top-1 per head: trained {np.round(trained, 3)}, untrained {np.round(untrained, 3)}, "
           f"most frequent token {frequent:.3f}")
     for j in range(k):
-        assert trained[j] > untrained[j] + 0.02
-    assert trained[0] > max(untrained[0], frequent) + 0.1
+        assert trained[j] > max(untrained[j], frequent) + 0.01
+    assert trained[0] > max(untrained[0], frequent) + 0.12
 
 
 # --- the heads file ---------------------------------------------------------------------------------
