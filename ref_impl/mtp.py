@@ -49,7 +49,7 @@ from . import gguf
 from .generate import Sampler
 from .kvcache import KVCache
 from .model import Model, default_dtype, load
-from .speculative import SpeculativeStep, accept, accept_greedy, rewind
+from .speculative import SpeculativeStep, rewind, take, verify
 from .train import config_for, read_corpus, sample_batch, token_stream
 
 ARCHITECTURE = "mtp"
@@ -136,28 +136,21 @@ def load_heads(path: str | Path, model: Model | None = None, dtype: mx.Dtype | N
 # ---------------------------------------------------------------------------------------- decoding
 
 def mtp_step(model: Model, heads: MTPHeads, cache: list[KVCache], y: mx.array, h: mx.array, gamma: int,
-             sampler: Sampler, rng: np.random.Generator) -> tuple[list[int], int, mx.array]:
+             sampler: Sampler, rng: np.random.Generator) -> tuple[SpeculativeStep, mx.array]:
     """One draft-then-verify step after the last emitted token y (1,), which the cache does not hold
     yet; h (hidden_size,) is the hidden state that predicted y.
 
-    Returns the emitted tokens (accepted drafts, then one of the model's), the number of drafts
-    accepted, and the hidden state that predicted the last emitted token (the next step's h).
+    Returns the step (emitted tokens: accepted drafts, then one of the model's; the drafts; how many
+    were accepted) and the hidden state that predicted the last emitted token (the next step's h).
     Afterwards the cache holds y and the accepted drafts.
     """
     head_logits = model.logits(heads(h, gamma))                        # (γ, V): guesses at y+1 .. y+γ
     drafts = sampler(head_logits)                                      # (γ,)
     hidden = model.hidden(mx.concatenate([y, drafts])[None], cache)[0]  # (γ+1, d) in one forward
-    logits = model.logits(hidden)                                      # (γ+1, V)
-    if sampler.temperature == 0:
-        n, token = accept_greedy(np.array(mx.argmax(logits, axis=-1)), np.array(drafts))
-    else:
-        p, q = sampler.probs(logits), sampler.probs(head_logits)       # q: what the drafts were drawn from
-        mx.eval(p, q, drafts)
-        n, token = accept(np.array(p).astype(np.float64), np.array(q).astype(np.float64),
-                          np.array(drafts), rng.random(gamma + 1))
-        n, token = int(n), int(token)
+    # q: what the drafts were drawn from, the sampler's distribution over each head's logits
+    proposed, n, token = verify(model.logits(hidden), drafts, sampler.probs(head_logits), sampler, rng)
     rewind(cache, gamma - n)                                           # keep y and the n accepted drafts
-    return np.array(drafts[:n]).tolist() + [token], n, hidden[n]
+    return SpeculativeStep(proposed[:n].tolist() + [token], gamma, n, proposed.tolist()), hidden[n]
 
 
 def mtp_generate(model: Model, heads: MTPHeads, prompt: list[int], sampler: Sampler, cache: list[KVCache],
@@ -185,9 +178,9 @@ def mtp_generate(model: Model, heads: MTPHeads, prompt: list[int], sampler: Samp
     y = sampler(model.logits(h[None]))
     yield SpeculativeStep([y.item()], 0, 0)
     while True:
-        emitted, n, h = mtp_step(model, heads, cache, y, h, gamma, sampler, rng)
-        yield SpeculativeStep(emitted, gamma, n)
-        y = mx.array(emitted[-1:])
+        step, h = mtp_step(model, heads, cache, y, h, gamma, sampler, rng)
+        yield step
+        y = mx.array(step.tokens[-1:])
 
 
 def mtp_decode(model: Model, heads: MTPHeads, prompt: list[int], max_tokens: int, gamma: int = 3,
@@ -197,13 +190,7 @@ def mtp_decode(model: Model, heads: MTPHeads, prompt: list[int], max_tokens: int
     if size > model.args.max_position_embeddings:
         raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) + gamma ({gamma}) "
                          f"exceeds the model's context length ({model.args.max_position_embeddings})")
-    steps, tokens = [], []
-    for step in mtp_generate(model, heads, prompt, sampler or Sampler(), model.make_cache(size), gamma):
-        steps.append(step)
-        tokens += step.tokens
-        if len(tokens) >= max_tokens:
-            break
-    return tokens[:max_tokens], steps
+    return take(mtp_generate(model, heads, prompt, sampler or Sampler(), model.make_cache(size), gamma), max_tokens)
 
 
 # ---------------------------------------------------------------------------------------- training

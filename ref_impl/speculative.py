@@ -148,20 +148,39 @@ def speculative_step(target: Model, drafter: Drafter, target_cache: list[KVCache
     """
     drafts, q = drafter.propose(y, gamma)
     logits = target(mx.concatenate([y, drafts])[None], target_cache)[0]     # (γ+1, V) in one forward
+    proposed, n, token = verify(logits, drafts, q, sampler, rng)
+    rewind(target_cache, gamma - n)             # keep y and the n accepted drafts
+    drafter.keep(drafts, n)
+    return SpeculativeStep(proposed[:n].tolist() + [token], gamma, n, proposed.tolist())
+
+
+def verify(logits: mx.array, drafts: mx.array, q: mx.array, sampler: Sampler,
+           rng: np.random.Generator) -> tuple[np.ndarray, int, int]:
+    """The acceptance rule on the target's logits (γ+1, V) for drafts (γ,) drawn from q (γ, V):
+    (the drafts as numpy, how many are accepted, the token that follows them). Greedy when the
+    sampler's temperature is 0 (q unused), else `accept` on the sampler's distributions."""
     if sampler.temperature == 0:
         target_tokens = np.array(mx.argmax(logits, axis=-1))      # evaluates the drafts and the verification
         proposed = np.array(drafts)
         n, token = accept_greedy(target_tokens, proposed)
-    else:
-        p = sampler.probs(logits)
-        mx.eval(p, q, drafts)
-        proposed = np.array(drafts)
-        n, token = accept(np.array(p).astype(np.float64), np.array(q).astype(np.float64), proposed,
-                          rng.random(gamma + 1))
-        n, token = int(n), int(token)
-    rewind(target_cache, gamma - n)             # keep y and the n accepted drafts
-    drafter.keep(drafts, n)
-    return SpeculativeStep(proposed[:n].tolist() + [token], gamma, n, proposed.tolist())
+        return proposed, n, token
+    p = sampler.probs(logits)
+    mx.eval(p, q, drafts)
+    proposed = np.array(drafts)
+    n, token = accept(np.array(p).astype(np.float64), np.array(q).astype(np.float64), proposed,
+                      rng.random(len(proposed) + 1))
+    return proposed, int(n), int(token)
+
+
+def take(steps: Iterator[SpeculativeStep], max_tokens: int) -> tuple[list[int], list[SpeculativeStep]]:
+    """Draw steps until they have emitted max_tokens tokens: (the first max_tokens tokens, the steps)."""
+    taken, tokens = [], []
+    for step in steps:
+        taken.append(step)
+        tokens += step.tokens
+        if len(tokens) >= max_tokens:
+            break
+    return tokens[:max_tokens], taken
 
 
 
@@ -209,14 +228,8 @@ def speculative_decode(target: Model, draft: Model, prompt: list[int], max_token
         raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) + gamma ({gamma}) "
                          f"exceeds the models' context length ({context})")
     sampler = sampler or Sampler()
-    steps, tokens = [], []
-    for step in speculative_generate(target, Drafter(draft, draft.make_cache(size), sampler), prompt, sampler,
-                                     target.make_cache(size), gamma):
-        steps.append(step)
-        tokens += step.tokens
-        if len(tokens) >= max_tokens:
-            break
-    return tokens[:max_tokens], steps
+    return take(speculative_generate(target, Drafter(draft, draft.make_cache(size), sampler), prompt, sampler,
+                                     target.make_cache(size), gamma), max_tokens)
 
 
 def acceptance_probability(p: np.ndarray, q: np.ndarray, matching: bool = False) -> float:

@@ -10,7 +10,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from ref_impl import MODELS_DIR, gguf, mtp
+from ref_impl import MODELS_DIR, gguf, mtp, speculative
 from ref_impl.generate import Sampler
 from ref_impl.model import Model, ModelArgs, load
 from ref_impl.speculative import acceptance_rate
@@ -124,7 +124,7 @@ def test_sampled_mtp_first_tokens_are_distributed_as_the_model(monkeypatch, rule
     model, prompt = tiny_model(), [1, 2, 3]
     heads = random_heads(model.args.hidden_size, 2, scale=2.0)    # rejects about 40% of first drafts
     if rule is not None:
-        monkeypatch.setattr(mtp, "accept", rule)
+        monkeypatch.setattr(speculative, "accept", rule)       # the rule verify() applies
     joint = exact_first_two(model, prompt)
     samples = first_tokens(model, heads, prompt, 1500, gamma=2)
     V = model.args.vocab_size
