@@ -411,7 +411,8 @@ def _method_records(m: _Method, gammas: Sequence[int], plan: SpecPlan) -> list[d
     verification realized, greedy agreement with plain decoding, and the model's speedup at the
     realized α and measured c (verification costing one step, and costing the measured ratio)."""
     n, P = plan.gen_tokens, plan.prompt_len
-    _time_runs(lambda: m.make_steps(max(gammas)), n, 1)                   # warm-up
+    for g in gammas:        # warm-up per γ: its γ+1-position verification is a new shape (compiled on first use on CUDA)
+        _time_runs(lambda: m.make_steps(g), min(n, 32), 1)
     kv = _dtype_name(m.model)
     rec = []
     for g in gammas:
