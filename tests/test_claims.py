@@ -20,7 +20,7 @@ IMPLEMENTED = ("C03", "C04", "C07", "C08", "C10", "C11", "C14", "C18", "C19", "C
                "C01", "C21", "C31",
                "C02", "C09", "C15", "C28",
                "C16",
-               "C12", "C30", "C05", "C17", "C20", "C06")
+               "C12", "C30", "C05", "C17", "C20", "C06", "C13", "C22", "C24")
 IDS = [f"C{i:02d}" for i in range(1, 33)]
 
 
@@ -591,3 +591,20 @@ def test_spec_speedups_are_the_recorded_ones():
             assert best[0] >= max(m["speedup"].values()) - 1e-12
             for g, s in m["speedup"].items():     # a speedup is tokens/s over the plain decoder's, > 0
                 assert s > 0 and m["tokens_per_s"][g] > 0
+
+
+def test_c24_c22_c13_evidence_is_the_recorded_numbers():
+    rec = claims.spec_recorded()
+    v24, v22, v13 = (claims.check(c, live=False) for c in ("C24", "C22", "C13"))
+    for label, d in rec.items():
+        for model, ratios in d["forward"].items():
+            top = max(ratios)
+            assert ratios[1] == 1.0                                     # a ratio to the one-position forward
+            assert v24.evidence[f"{model}, {top} positions / 1 ({label})"].value == ratios[top]
+        for (model, variant, drafter, a), m in d["speed"].items():
+            if variant == "alpha-set" and a is not None and a >= 0.6:
+                g = max(m["speedup"], key=m["speedup"].get)
+                n = v22.evidence[f"{model} / {drafter}, α set {a}, best γ = {g} ({label})"]
+                assert n.value == pytest.approx(100 * (m["speedup"][g] - 1))
+        if ("mtp", "stdlib-10m-mtp") in d["pooled"]:
+            assert v13.evidence[f"MTP heads, greedy α on held-out text ({label})"].value == d["pooled"]["mtp", "stdlib-10m-mtp"]
