@@ -61,6 +61,14 @@ def _run(task: str, label: str, fn: Callable, *args):
         return None, Result(False, f"{task} ({label}): your function raised {type(exc).__name__}: {exc}")
 
 
+def _as_array(task: str, label: str, out, what: str) -> tuple[np.ndarray | None, Result | None]:
+    """The learner's output as a float64 array, or a ✗ Result saying it is not one."""
+    try:
+        return np.asarray(out, dtype=np.float64), None
+    except (TypeError, ValueError):
+        return None, Result(False, f"{task} ({label}): expected {what}, got {type(out).__name__} {out!r:.80}.")
+
+
 def _close(a: float, b: float, rtol: float = RTOL) -> bool:
     return math.isclose(a, b, rel_tol=rtol)
 
@@ -579,10 +587,9 @@ def check_decode_q4_k(fn) -> Result:
         out, failed = _run(task, label, fn, b.copy())
         if failed is not None:
             return failed
-        try:
-            a = np.asarray(out, dtype=np.float64)
-        except (TypeError, ValueError):
-            return Result(False, f"{task} ({label}): expected 256 numbers, got {type(out).__name__} {out!r:.80}.")
+        a, bad = _as_array(task, label, out, "256 numbers")
+        if bad is not None:
+            return bad
         if a.size != 256:
             why = {128: " Each byte of qs holds two 4-bit quants: 128 bytes make 256 values.",
                    144: " That is the block's size in bytes; decode it to values.",
@@ -1256,10 +1263,9 @@ def check_quantize_keys_per_channel(fn) -> Result:
         out, failed = _run(task, label, fn, keys.copy(), bits)
         if failed is not None:
             return failed
-        try:
-            got = np.asarray(out, dtype=np.float64)
-        except (TypeError, ValueError):
-            return Result(False, f"{task} ({label}): expected an array of keys, got {type(out).__name__}.")
+        got, bad = _as_array(task, label, out, "an array of keys")
+        if bad is not None:
+            return bad
         if got.shape != keys.shape:
             return Result(False, f"{task} ({label}): shape {got.shape}, expected {keys.shape} (dequantized keys, "
                                  "not codes or scales).")
