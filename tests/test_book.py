@@ -175,7 +175,7 @@ def test_page_draws_every_figure_and_formula_offline(browser, server, built_book
         drawn = page.evaluate(
             """() => [...document.querySelectorAll('.js-plotly-plot')].map(d => ({
                  svgs: d.querySelectorAll('.main-svg').length,
-                 traces: d.querySelectorAll('.trace').length,
+                 traces: d.querySelectorAll('.trace, .hm').length,   // a heatmap draws a .hm layer
                  height: d.getBoundingClientRect().height}))""")
         SHOTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(SHOTS / f"{page_path.replace('/', '__')}.png"), full_page=True)
