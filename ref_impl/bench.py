@@ -385,14 +385,137 @@ def bench_shape(shape: str, args: ModelArgs, weight_types: Sequence[str], work_d
     return records
 
 
+def _host_split(model: Model, prompt: list[int], steps: int = 16) -> dict[str, float]:
+    """Median seconds of one greedy decode step, the GPU idle at its start: building the graph in Python
+    ("build"), mx.async_eval returning ("submit": MLX encodes every kernel on this thread) and waiting for
+    the token ("wait"). Pipelined decode overlaps build + submit of step t+1 with the GPU's step t, so a
+    step costs about max(build + submit, GPU)."""
+    cache = model.make_cache(len(prompt) + steps + 2)
+    y = mx.argmax(model(mx.array([prompt]), cache)[:, -1], axis=-1)
+    mx.eval(y)
+    parts = {"build": [], "submit": [], "wait": []}
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        y = mx.argmax(model(y[:, None], cache)[:, -1], axis=-1)
+        t1 = time.perf_counter()
+        mx.async_eval(y)
+        t2 = time.perf_counter()
+        mx.eval(y)
+        t3 = time.perf_counter()
+        for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
+            parts[k].append(v)
+    return {k: float(np.median(v)) for k, v in parts.items()}
+
+
+def _matrix_chain(model: Model, tokens: int = 32) -> float:
+    """Seconds per token of only the decoder's matrix work, in its order and with its dependencies, pipelined
+    as decode is: per layer q/k/v projections, o_proj on q, the MLP (as the layer runs it) on that, then the
+    LM head; no norms, RoPE, attention or residuals. Values overflow to inf: speed does not depend on them."""
+    h = mx.full((1, 1, model.args.hidden_size), 0.01, dtype=model.norm.weight.dtype)
+
+    def step(h: mx.array) -> tuple[mx.array, list[mx.array]]:
+        outs = []
+        for layer in model.layers:
+            attn = layer.self_attn
+            q = attn.q_proj(h)
+            outs += [attn.k_proj(h), attn.v_proj(h)]
+            h = layer.mlp(attn.o_proj(q))
+        return h, outs + [model.logits(h)]
+
+    h1, outs = step(h)
+    mx.eval(h1, outs)
+    t0, prev = time.perf_counter(), None
+    for _ in range(tokens):
+        h, outs = step(h)
+        mx.async_eval(h, outs)
+        if prev is not None:
+            mx.eval(prev)
+        prev = outs[-1]
+    mx.eval(h, outs)
+    return (time.perf_counter() - t0) / tokens
+
+
+class _Const:
+    """Stands in for a module in timing variants: returns zeros of the module's output width (one array made
+    once for a decode step's single row), so the rest of the step runs without it."""
+
+    def __init__(self, n: int, dtype: mx.Dtype):
+        self.n, self.dtype, self.y = n, dtype, mx.zeros((1, 1, n), dtype=dtype)
+        mx.eval(self.y)
+
+    def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
+        return self.y if x.shape[:-1] == (1, 1) else mx.zeros((*x.shape[:-1], self.n), dtype=self.dtype)
+
+
+def _decode_without(model: Model, prompt: list[int], attention: bool, n: int = 64) -> tuple[float, int]:
+    """Seconds per token and kernels per token of pipelined decode with every matrix (and with attention=True
+    every layer's attention) replaced by a constant: what the rest of the step costs. The model is restored."""
+    import mlx.nn as nn
+
+    from . import kernels
+
+    targets = [(name, m) for name, m in model.named_modules()
+               if isinstance(m, (nn.Linear, nn.QuantizedLinear, kernels.GEMVLinear))]
+    layers = [(f"layers.{i}.self_attn", layer.self_attn) for i, layer in enumerate(model.layers)] if attention else []
+    targets = [(k, m) for k, m in targets if not (attention and ".self_attn." in k)] + layers
+    dtype = model.norm.weight.dtype
+    stubs = []
+    for name, m in targets:
+        width = model.args.hidden_size if name.endswith("self_attn") else (
+            m.shape[0] if isinstance(m, kernels.GEMVLinear) else m.weight.shape[0])
+        stubs.append((name, _Const(width, dtype)))
+    def swap(name: str, new: object) -> None:      # a plain item swap: a _Const is not an nn.Module
+        *path, leaf = name.split(".")
+        owner = model
+        for p in path:
+            owner = owner[int(p)] if p.isdigit() else owner[p]
+        owner[leaf] = new
+
+    try:
+        for name, stub in stubs:
+            swap(name, stub)
+        runs = ours(model, prompt, n, 1, pipeline=True)
+        return 1 / _summarize(runs, len(prompt))["tokens_per_s"][0], kernels.count_kernels(model)
+    finally:
+        for name, m in targets:
+            swap(name, m)
+
+
+def _queued_ms(choices: list, variant: str) -> dict[str, float]:
+    """Milliseconds per token of the GEMVs run back to back (patch's queued timings, one row), per matrix
+    shape, for MLX's built-ins (native), the chosen launches (kernels) or those with the fused groups."""
+    from . import kernels
+
+    out = {}
+    single = {(c.n, c.k): c for c in choices if c.rows == 1 and not c.fuse}
+    fused = {c.fuse: c for c in choices if c.rows == 1 and c.fuse}
+    for (n, k), c in single.items():
+        label = kernels.BUILTIN if variant == "native" or c.launch is None else c.launch.label
+        out[f"{n}x{k}"] = c.seconds.get(label, math.nan) * c.layers * 1e3
+    if variant == "kernels+fused":
+        for fuse, c in fused.items():
+            if c.launch is None:
+                continue
+            shapes = [(p, c.k) for p in c.parts] if fuse == "qkv" else [(c.n, c.k), (c.n, c.k)]
+            for shape, count in {s: shapes.count(s) for s in shapes}.items():   # the GEMVs the group replaces
+                key = f"{shape[0]}x{shape[1]}"
+                out[key] -= single[shape].seconds.get(single[shape].launch.label if single[shape].launch
+                                                      else kernels.BUILTIN, math.nan) * count * c.layers * 1e3
+            out[f"{fuse} {c.n}x{c.k}"] = c.seconds[c.launch.label] * c.layers * 1e3
+    return out
+
+
 def bench_kernels(shape: str, args: ModelArgs, weight_types: Sequence[str], work_dir: Path, prompt_len: int = 128,
                   gen_tokens: int = 128, repeats: int = 3, seed: int = 0,
                   progress: Callable[[str], None] | None = None) -> list[dict]:
-    """kernels.py's CUDA GEMVs against MLX's built-ins: GB/s per matrix shape of `shape` (4-bit groups of
-    32 and 64, float16; 1 and 4 rows), then decode of a random model of `shape` per weight type without
-    and with kernels.patch: tokens/s, share of bandwidth, kernels per token, the launch overhead per
-    kernel they imply, greedy agreement and the patch's choices. Off MLX's CUDA backend: one "skipped"
-    record, at once."""
+    """kernels.py's CUDA GEMVs against MLX's built-ins: GB/s per matrix shape of `shape` (4-bit groups of 32,
+    float16; 1 and 4 rows; queued, with the host time to build each call), then decode of a random model of
+    `shape` per weight type: MLX's built-ins ("native"), our GEMVs where faster ("kernels"), and with the
+    fused gate/up and q/k/v kernels ("kernels+fused"): tokens/s, share of bandwidth, kernels per token,
+    greedy agreement, the patch's choices, and where a token's time goes ("decode-breakdown", ms per token:
+    host build and submit of one step, the matrix work alone as a chain, the GEMVs queued per shape, the
+    step with every matrix replaced by a constant, and with attention too). Off MLX's CUDA backend: one
+    "skipped" record, at once."""
     from . import kernels
     from .roofline import matmul_shapes, shape_from_args
 
@@ -402,36 +525,65 @@ def bench_kernels(shape: str, args: ModelArgs, weight_types: Sequence[str], work
                  "variant": None, "metric": "skipped", "unit": None, "value": None, "samples": [], "peer": None,
                  "note": f"skipped: needs MLX's CUDA backend; this is {mx.default_device()}"}]
     work_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
     bw = memory_bandwidth()
     records = bandwidth_records(bw)
     say(f"copy bandwidth {bw['copy']:.0f} GB/s")
     shapes = sorted({(n, k) for k, n in matmul_shapes(shape_from_args(shape, args))})
-    for fmt in (kernels.Format(4, 32), kernels.Format(4, 64), kernels.Format(16)):
+    for fmt in (kernels.Format(4, 32), kernels.Format(16)):
         sweep = kernels.gemv_sweep(shapes, [fmt], (1, 4), shape, seed=seed)
         records += sweep
+        host = {(r["weights"], tuple(r["shape"]), r["rows"], r["variant"]): r["value"] for r in sweep
+                if r["metric"] == "host_us"}
         for r in sweep:
             if r["metric"] in ("bandwidth", "compile_error"):
                 value = "" if r["value"] is None else f"{r['value']:8.0f} GB/s"
-                say(f"gemv {r['weights']:6} {str(tuple(r['shape'])):14} rows {r['rows']}  {r['variant']:34} {value}"
-                    f"{r.get('note', '')[:300]}")
+                t = next((x["value"] for x in sweep if x["metric"] == "time_us" and x["variant"] == r["variant"]
+                          and x["shape"] == r["shape"] and x["rows"] == r["rows"]), None)
+                h = host.get((r["weights"], tuple(r["shape"]), r["rows"], r["variant"]))
+                timing = f" {t:7.1f} us/call queued, host {h:5.1f} us" if t is not None and h is not None else ""
+                say(f"gemv {r['weights']:6} {str(tuple(r['shape'])):14} rows {r['rows']}  {r['variant']:42} {value}"
+                    f"{timing}{r.get('note', '')[:300]}")
+    say(f"[{time.perf_counter() - t_start:.0f} s] sweep done")
     prompt = np.random.default_rng(seed).integers(1, args.vocab_size, size=prompt_len).tolist()
     for wt in weight_types:
         model, _ = random_shape_model(shape, args, wt, work_dir, seed)
         step_bytes = decode_bytes(model, prompt_len + gen_tokens // 2)
         base = {"experiment": "decode-kernels", "model": shape, "weights": wt,
                 "kv": str(model.norm.weight.dtype).split(".")[-1], "context": prompt_len + gen_tokens, "peer": None}
-        ids = {}
-        for variant in ("native", "kernels"):
+        part = {**base, "experiment": "decode-breakdown", "metric": "ms_per_token", "unit": "ms", "samples": []}
+        say(f"[{time.perf_counter() - t_start:.0f} s] {wt} model loaded")
+        # what the step costs without its matrices (and without attention too): measured once, MLX's modules
+        rest = {}
+        for attention in (False, True):
+            s, n_k = _decode_without(model, prompt, attention)
+            key = "no_matrices" + ("_no_attention" if attention else "")
+            rest[key] = s * 1e3
+            records.append({**part, "variant": "native", "part": key, "value": s * 1e3, "kernels_per_token": n_k,
+                            "note": "decode with every matrix" + (" and attention" if attention else "")
+                                    + " replaced by a constant"})
+        records.append({**part, "variant": "native", "part": "attention",
+                        "value": rest["no_matrices"] - rest["no_matrices_no_attention"],
+                        "note": "no_matrices - no_matrices_no_attention: RoPE, the cache update, SDPA"})
+        say(f"{wt}: without matrices {rest['no_matrices']:.2f} ms/token, also without attention "
+            f"{rest['no_matrices_no_attention']:.2f}")
+        ids, choices = {}, []
+        for variant in ("native", "kernels", "kernels+fused"):
             if variant == "kernels":
-                for c in kernels.patch(model):
-                    chosen = c.launch.label if c.launch else kernels.BUILTIN
+                choices = kernels.patch(model, fuse=True)
+                for c in choices:
+                    chosen = c.launch.label if c.launch else kernels.UNFUSED if c.fuse else kernels.BUILTIN
                     records.append({**base, "experiment": "kernel-choice", "weights": c.fmt.name, "variant": chosen,
                                     "metric": "time_us", "unit": "us", "value": c.seconds.get(chosen, math.nan) * 1e6,
                                     "samples": [], "shape": [c.n, c.k], "rows": c.rows, "layers": c.layers,
-                                    "timings_us": {k: v * 1e6 for k, v in c.seconds.items()}, "errors": c.errors})
-                    say(f"patch {wt} {c.fmt.name} {(c.n, c.k)} rows {c.rows}: {chosen} "
+                                    "fuse": c.fuse, "parts": list(c.parts),
+                                    "timings_us": {k: v * 1e6 for k, v in c.seconds.items()},
+                                    "host_us": {k: v * 1e6 for k, v in c.host.items()}, "errors": c.errors})
+                    say(f"patch {wt} {c.fmt.name} {c.fuse or 'gemv'} {(c.n, c.k)} rows {c.rows}: {chosen}; "
                         + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in c.seconds.items())
                         + (f"; failed: {', '.join(c.errors)}" if c.errors else ""))
+            if variant != "native":
+                kernels.enable(model, gemv=True, fused=variant == "kernels+fused")
             runs = ours(model, prompt, gen_tokens, repeats, pipeline=True)
             ids[variant] = runs[0][2]
             tps = _summarize(runs, prompt_len)["tokens_per_s"]
@@ -446,12 +598,29 @@ def bench_kernels(shape: str, args: ModelArgs, weight_types: Sequence[str], work
                         {**base, "variant": variant, "metric": "overhead_us_per_kernel", "unit": "us",
                          "value": overhead * 1e6, "samples": [],
                          "note": "(token time - bytes_per_token / copy bandwidth) / kernels_per_token"}]
-            say(f"decode {wt} {variant}: {tps[0]:.1f} tok/s, {n_kernels} kernels/token, "
-                f"{overhead * 1e6:.2f} us/kernel beyond the bytes")
-        records += [{**base, "variant": "kernels", "metric": "bytes_per_token", "unit": "B", "value": step_bytes,
-                     "samples": []},
-                    {**base, "variant": "kernels", "metric": "greedy_agreement", "unit": "fraction",
-                     "value": float(np.mean(np.array(ids["kernels"]) == np.array(ids["native"]))), "samples": []}]
+            host = _host_split(model, prompt)
+            chain = _matrix_chain(model)
+            parts = {"decode": 1e3 / tps[0], "host_build": host["build"] * 1e3, "host_submit": host["submit"] * 1e3,
+                     "step_wait": host["wait"] * 1e3, "step_sync": sum(host.values()) * 1e3, "matrix_chain": chain * 1e3}
+            records += [{**part, "variant": variant, "part": k, "value": v} for k, v in parts.items()]
+            say(f"decode {wt} {variant}: {tps[0]:.1f} tok/s = {parts['decode']:.2f} ms, {n_kernels} kernels/token, "
+                f"{overhead * 1e6:.2f} us/kernel beyond the bytes; one step, GPU idle: build {parts['host_build']:.2f} "
+                f"+ submit {parts['host_submit']:.2f} + wait {parts['step_wait']:.2f} ms; matrices alone as a chain "
+                f"{parts['matrix_chain']:.2f} ms")
+        for variant in ("native", "kernels", "kernels+fused"):
+            queued = _queued_ms(choices, variant)
+            records += [{**part, "variant": variant, "part": f"gemv_queued {k}", "value": v} for k, v in queued.items()]
+            records.append({**part, "variant": variant, "part": "gemv_queued", "value": sum(queued.values()),
+                            "note": "patch's queued time per call x calls per token, summed over shapes"})
+            say(f"{wt} {variant}: GEMVs queued {sum(queued.values()):.2f} ms/token ("
+                + ", ".join(f"{k} {v:.2f}" for k, v in queued.items()) + ")")
+        records.append({**base, "variant": "kernels", "metric": "bytes_per_token", "unit": "B", "value": step_bytes,
+                        "samples": []})
+        for variant in ("kernels", "kernels+fused"):
+            agree = float(np.mean(np.array(ids[variant]) == np.array(ids["native"])))
+            records.append({**base, "variant": variant, "metric": "greedy_agreement", "unit": "fraction",
+                            "value": agree, "samples": []})
+        say(f"[{time.perf_counter() - t_start:.0f} s] {wt} done")
         del model
     return records
 

@@ -8,39 +8,61 @@ scale and bias per group of 32, 64 or 128 inputs: w = scale * q + bias) and floa
 matrices, for 1 activation row (decode) or 2-9 (speculative verification), accumulating in float32.
 
 Design (one launch, `Launch` below):
-- A block of `threads` threads owns `rows_per_block` (R) consecutive weight rows and walks their k
-  inputs together: thread t reads 16-byte chunks t, t + threads, ... of every row, so each warp
-  instruction loads 512 contiguous bytes (coalesced 128-bit loads), `unroll` chunks per row in flight.
-  Weights are loaded with ld.global.nc.L1::no_allocate (read once; L1 keeps x, which every block reads).
+- Each warp owns `rows_per_warp` (R) consecutive output rows; warps never wait for each other (no
+  shared memory, no block barrier), so a block of `warps` warps is only a scheduling unit. Lane l reads
+  16-byte chunks l, l + 32, ... of each of its rows, so each warp instruction loads 512 contiguous
+  bytes, and issues `unroll` (U) chunks per row, R x U loads, before it computes. Weights are loaded with
+  ld.global.nc.L1::no_allocate (read once; L1 keeps x, which every warp reads).
 - A chunk of a 4-bit matrix holds 32 codes of one group (8-bit: 16 codes). Codes become exact floats
   without int-to-float conversion instructions (which issue at a fraction of the FMA rate, CUDA
   Programming Guide, throughput table): OR the code into the mantissa of 2^23 and subtract 2^23 (for
   4-bit codes left in place, shifted by 16^j, one FMA undoes both). The group's scale and
   bias are applied once per chunk: sum_i (s q_i + b) x_i = s sum_i q_i x_i + b sum_i x_i, as MLX's
   own Metal qdot does. x is read as 16-byte vectors and converted once per chunk for all R rows.
-- Partial sums (R x rows floats per thread) are reduced with warp shuffles (__shfl_xor_sync), then
-  across the block's warps through shared memory; one thread per (row, output) writes T.
+- Each lane's R x rows partial sums are reduced with warp shuffles (__shfl_xor_sync); lane r*rows+m
+  writes y[m, r].
+- Fused variants cut launches: "glu" computes silu(x Wg^T) * (x Wu^T) for an MLP's gate and up
+  matrices in one launch (the warp reads R rows of each; no float16 rounding of gate and up in between),
+  "qkv" runs attention's three projections as one grid, each warp in one matrix, three outputs.
 - Pointers that are not 16-byte aligned (a sliced input) take a path with 2-byte loads, same results.
 Bytes per launch (`Launch.bytes`): the weights, scales and biases once, x and y once; x is re-read
-from L1/L2 by every block. Registers bound the blocks per SM (`occupancy`).
+from L1/L2 by every warp. Registers bound the warps per SM (`occupancy`).
 
 Dispatch: `patch(model)` swaps each nn.Linear and affine nn.QuantizedLinear for a `GEMVLinear` with the
-same parameters. On MLX's CUDA backend a short measurement per (format, shape, rows) on the model's own
-weights picks the fastest of a few launches and MLX's built-in, and records it; other row counts,
-other backends (CPU; Metal, where MLX's quantized kernels are already strong) and tied embeddings keep
-MLX's built-ins. The CUDA tests check that greedy tokens match the built-ins' except at near ties.
+same parameters (fuse=True: also each model.MLP for a `GatedMLP`, and groups each attention's q/k/v). On
+MLX's CUDA backend a short measurement per (format, shape, rows) on the model's own weights picks the
+fastest of a few launches and MLX's built-in (fused groups: against their unfused calls), and records
+it: many calls queued in one mx.eval, the graph built before the clock starts, so the time per call is
+the GPU's (MLX encodes while the GPU runs; independent calls in one CUDA graph may overlap, so small
+matrices look better than in a chain: bench --kernels times the decoder's matrices as a chain too).
+Other row counts, other backends (CPU; Metal, where MLX's quantized kernels are already strong) and tied
+embeddings keep MLX's built-ins; `enable` switches the choices on and off. A chosen call runs through a
+closure bound at patch time, with no argument checks and no nn.Module.__getattr__ lookups.
 
-Status (for the session that reads the first H200 log): written without a GPU. The CUDA source compiles
-with nvcc 13.0 for sm_90a (ptxas: no spills; registers in `occupancy`) and ran in a CPU emulation of
-its threads, warps and shared memory against a float64 oracle (every format, 1-9 rows, odd sizes,
-misaligned inputs). Not yet compiled by MLX's NVRTC nor timed: read `python3 tests/test_kernels.py`
-(each case's error against the float32 bound; the first call's time includes NVRTC) and `python -m
-ref_impl bench --kernels` (GB/s per shape and launch against the built-in; decode with and without).
-Not done: fused QKV and gate/up+SiLU kernels (issue 9: only if measurement shows a gain), and the LM
-head of tied-embedding models (it stays MLX's).
+Status (for the session that reads the second H200 log). First H200 run (MLX 0.32.4): every kernel was
+within the float32 bound of a float64 oracle. The old block-per-rows kernels beat the built-in on large
+4-bit matrices (LM head 218 µs against 359, queued) and lost on small ones with a floor of ~19 µs a call:
+that floor was our Python, not the GPU (the old GEMVLinear + affine_gemv path costs 17.4 µs a call on
+a CPU with the kernel stubbed out, the new one 2.8, nn.QuantizedLinear 2.1). The Q4_K decode (177.6
+tok/s, 5.6 ms) is MLX's 4-bit GEMV: its queued times per call times calls per token sum to 5.8 ms (it
+reads at 600-900 GB/s), so "7.2 µs/kernel beyond the bytes" only restated that. F16 (4.75 ms, at copy
+bandwidth) lost 0.7 ms with every choice the built-in, from ~3 µs of wrapper per call: so the host side
+of a step (Python graph building plus MLX encoding, ~580 kernels) seems close to 4.7 ms, a ceiling near
+210 tok/s whatever the GEMVs do (bench --dispatch saw ~7.6 µs a kernel on Llama-3.2-1B, host-bound;
+bench --kernels now measures it). Hence the fused
+kernels (glu: 5 kernels an MLP become 2; qkv: 3 become 1; ~160 fewer a token) and the lean calls. The
+"misaligned address" that broke the test run came from MLX's built-in quantized_matmul, called by the
+test on the misaligned x as its reference (its output was 1900x the bound, ours 0.6x); our kernels take
+misaligned pointers on their 2-byte path, and the test now gives the built-ins aligned copies.
+Written without a GPU again: the source compiles with nvcc 13.0 for sm_90a (ptxas: no spills; registers
+in `occupancy`) and ran in a CPU emulation of its warps (lanes as threads, shuffles at barriers) against
+the float64 oracle through the CUDA tests (fused, 1-9 rows, odd sizes, misaligned inputs, the greedy
+decoder). Read `python3 tests/test_kernels.py` and `python -m ref_impl bench --kernels` (GB/s per shape,
+decode native / kernels / kernels+fused, and its breakdown: host build and submit of a step, the
+matrices alone as a chain, GEMVs queued per shape, the step without matrices and without attention).
 
 References: MLX docs "Custom Metal Kernels" and mlx/backend/cuda/custom_kernel.cpp (grid in threads,
-generated signature `x_shape`, template constants); MLX mlx/backend/metal/kernels/quantized.h `qdot`
+generated signature `w0_shape`, template constants); MLX mlx/backend/metal/kernels/quantized.h `qdot`
 (scale and bias per group, sum of x); the magic-number int-to-float conversion, as used for 4-bit
 weights in FasterTransformer (Kim et al., "Who Says Elephants Can't Run", 2022); CUDA C++ Programming Guide, compute
 capability 9.0 limits (2048 threads, 32 blocks, 64K registers per SM); PTX ISA `ld` cache hints.
@@ -62,10 +84,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
+from .model import MLP
+
 MAX_ROWS = 9                  # activation rows a GEMV serves: decode (1) and speculative verification (2-9)
-MAX_ACCUMULATORS = 16         # rows_per_block x rows partial sums a thread keeps in registers
+MAX_ACCUMULATORS = 16         # weight rows per warp x activation rows: partial sums a lane keeps in registers
+MAX_LOADS = 8                 # weight rows per warp x unroll: 16-byte loads a lane keeps in flight (registers)
 GROUP_SIZES = (32, 64, 128)
-THREADS = (64, 128, 256, 512)
 H200_SMS = 132                # streaming multiprocessors of an H200 (and H100 SXM)
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -113,19 +137,36 @@ class Format:
 
 @dataclass(frozen=True)
 class Launch:
-    """One GEMV launch: y (rows, n) = x (rows, k) @ W(n, k).T in `fmt`, by blocks of `threads` threads that
-    each own `rows_per_block` weight rows and keep `unroll` 16-byte loads per row in flight."""
+    """One GEMV launch: y (rows, n) = x (rows, k) @ W(n, k).T in `fmt`, by warps that each own
+    `rows_per_warp` output rows and keep `unroll` 16-byte loads per weight row in flight, `warps` to a
+    block. fuse "glu": y = silu(x Wg^T) * (x Wu^T) (two matrices of n rows); "qkv": three matrices of
+    `parts` rows (n their sum), three outputs."""
     fmt: Format
     n: int
     k: int
     rows: int
-    threads: int
-    rows_per_block: int
-    unroll: int = 2
+    rows_per_warp: int = 1
+    unroll: int = 4
+    warps: int = 4
+    fuse: str = ""
+    parts: tuple[int, ...] = ()
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def weight_rows_per_warp(self) -> int:
+        return 2 * self.rows_per_warp if self.fuse == "glu" else self.rows_per_warp
+
+    @property
+    def warps_total(self) -> int:
+        sizes = self.parts if self.fuse == "qkv" else (self.n,)
+        return sum(-(-s // self.rows_per_warp) for s in sizes)
 
     @property
     def blocks(self) -> int:
-        return -(-self.n // self.rows_per_block)
+        return -(-self.warps_total // self.warps)
 
     @property
     def grid(self) -> tuple[int, int, int]:
@@ -136,64 +177,88 @@ class Launch:
         return (self.threads, 1, 1)
 
     @property
+    def chunks_per_lane(self) -> int:
+        """16-byte chunks of one weight row a lane reads."""
+        return -(-self.k // self.fmt.values_per_load // 32)
+
+    @property
     def loads_per_thread(self) -> int:
-        """16-byte weight loads one thread issues (over all its rows)."""
-        return -(-self.k // self.fmt.values_per_load // self.threads) * self.rows_per_block
+        """16-byte weight loads one lane issues (over all its weight rows)."""
+        return self.chunks_per_lane * self.weight_rows_per_warp
 
     @property
     def bytes(self) -> int:
         """Bytes one launch must move at least: the weights once, x (rows, k) and y (rows, n)."""
-        return self.fmt.weight_bytes(self.n, self.k) + 2 * self.rows * (self.k + self.n)
+        mats = 2 if self.fuse == "glu" else 1
+        return mats * self.fmt.weight_bytes(self.n, self.k) + 2 * self.rows * (self.k + self.n)
 
     @property
     def label(self) -> str:
-        return f"ours threads={self.threads} rows/block={self.rows_per_block} unroll={self.unroll}"
+        what = {"": "ours", "glu": "ours fused gate/up", "qkv": "ours fused qkv"}[self.fuse]
+        return f"{what} rows/warp={self.rows_per_warp} unroll={self.unroll}" + (
+            f" warps={self.warps}" if self.warps != 4 else "")
 
     @property
     def template(self) -> list[tuple[str, object]]:
-        t = [("T", DTYPES[self.fmt.dtype]), ("M", self.rows), ("R", self.rows_per_block),
-             ("BT", self.threads), ("U", self.unroll)]
+        t = [("T", DTYPES[self.fmt.dtype]), ("M", self.rows), ("R", self.rows_per_warp), ("U", self.unroll)]
         return t if self.fmt.bits == 16 else t + [("BITS", self.fmt.bits), ("GROUP", self.fmt.group_size)]
 
 
-def launch_config(fmt: Format, n: int, k: int, rows: int, threads: int = 128, rows_per_block: int | None = None,
-                  unroll: int = 2, sms: int = H200_SMS) -> Launch:
-    """The launch for one GEMV. Default rows per block: the largest of 4, 2, 1 that keeps
-    rows_per_block x rows <= MAX_ACCUMULATORS registers of partial sums and at least 4 blocks per SM
-    (so loads from several blocks hide the memory latency). Raises ValueError for shapes it cannot run."""
-    if n < 1 or k < 1:
-        raise ValueError(f"GEMV shape must be positive, got n={n}, k={k}")
+def launch_config(fmt: Format, n: int, k: int, rows: int, rows_per_warp: int | None = None,
+                  unroll: int | None = None, warps: int = 4, fuse: str = "", parts: Sequence[int] = (),
+                  sms: int = H200_SMS) -> Launch:
+    """The launch for one GEMV. Default unroll: enough 16-byte loads per row for a lane's share of k, at most
+    4. Default rows per warp: the largest of 4, 2, 1 that keeps weight rows x rows <= MAX_ACCUMULATORS,
+    weight rows x unroll <= MAX_LOADS loads in flight and at least 8 warps per SM (more rows per warp re-use
+    x from registers; more warps hide the memory latency). Raises ValueError for shapes it cannot run."""
+    if fuse not in FUSES:
+        raise ValueError(f"fuse={fuse!r}: choose one of {FUSES}")
+    parts = tuple(parts)
+    if fuse == "qkv":
+        if len(parts) != 3 or sum(parts) != n:
+            raise ValueError(f"a qkv launch needs the three matrices' rows as parts (summing to n={n}), got {parts}")
+    elif parts:
+        raise ValueError("parts are for fuse='qkv'")
+    if n < 1 or k < 1 or any(p < 1 for p in parts):
+        raise ValueError(f"GEMV shape must be positive, got n={n}, k={k}" + (f", parts {parts}" if parts else ""))
     step = fmt.group_size or fmt.values_per_load
     if k % step:
         raise ValueError(f"k={k} is not a multiple of {step} ({'the group size' if fmt.group_size else '16 bytes'})")
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"rows={rows}: the GEMV kernels take 1 to {MAX_ROWS} activation rows")
-    if threads not in THREADS:
-        raise ValueError(f"threads={threads}: choose one of {THREADS}")
-    if unroll not in (1, 2, 4):
-        raise ValueError(f"unroll={unroll}: choose 1, 2 or 4")
-    if rows_per_block is None:
-        rows_per_block = next(r for r in (4, 2, 1)
-                              if r == 1 or (r * rows <= MAX_ACCUMULATORS and -(-n // r) >= 4 * sms))
-    if rows_per_block not in (1, 2, 4, 8) or (rows_per_block > 1 and rows_per_block * rows > MAX_ACCUMULATORS):
-        raise ValueError(f"rows_per_block={rows_per_block} with rows={rows}: need 1, 2, 4 or 8 and "
-                         f"rows_per_block x rows <= {MAX_ACCUMULATORS}")
-    return Launch(fmt, n, k, rows, threads, rows_per_block, unroll)
+    if warps not in (1, 2, 4, 8):
+        raise ValueError(f"warps={warps}: choose 1, 2, 4 or 8")
+    mats = 2 if fuse == "glu" else 1
+    per_lane = -(-k // fmt.values_per_load // 32)
+    if unroll is None:
+        unroll = next(u for u in (1, 2, 4) if u >= per_lane or u == 4)
+    if unroll not in (1, 2, 4, 8):
+        raise ValueError(f"unroll={unroll}: choose 1, 2, 4 or 8")
+    if rows_per_warp is None:
+        rows_per_warp = next(r for r in (4, 2, 1) if r == 1 or (
+            mats * r * rows <= MAX_ACCUMULATORS and mats * r * unroll <= MAX_LOADS and -(-n // r) >= 8 * sms))
+    if rows_per_warp not in (1, 2, 4, 8) or mats * rows_per_warp * rows > MAX_ACCUMULATORS:
+        raise ValueError(f"rows_per_warp={rows_per_warp} with rows={rows}: need 1, 2, 4 or 8 and "
+                         f"{'2 x ' if mats == 2 else ''}rows_per_warp x rows <= {MAX_ACCUMULATORS}")
+    if mats * rows_per_warp * unroll > MAX_LOADS:
+        raise ValueError(f"rows_per_warp={rows_per_warp} with unroll={unroll}: at most {MAX_LOADS} loads "
+                         "in flight per lane")
+    return Launch(fmt, n, k, rows, rows_per_warp, unroll, warps, fuse, parts)
 
 
-def candidates(fmt: Format, n: int, k: int, rows: int) -> list[Launch]:
-    """The launches a measurement chooses among, the default first: for one row its neighbours in threads,
-    rows per block and unroll; for 2-9 rows (each a kernel to compile) only in rows per block."""
-    grid = ((128, None, 2), (128, 1, 2), (128, 2, 2), (128, 4, 2), (256, 2, 2), (64, 4, 2), (128, 2, 4))
+def candidates(fmt: Format, n: int, k: int, rows: int, fuse: str = "", parts: Sequence[int] = ()) -> list[Launch]:
+    """The launches a measurement chooses among, the default first: for one row up to three neighbours in
+    rows per warp and unroll (each a kernel to compile), for 2-9 rows one."""
+    grid = ((None, None), (1, 4), (2, 4), (4, 2), (2, 2), (1, 8))
     out = []
-    for threads, r, unroll in grid if rows == 1 else grid[:4]:
+    for r, unroll in grid:
         try:
-            launch = launch_config(fmt, n, k, rows, threads, r, unroll)
+            launch = launch_config(fmt, n, k, rows, r, unroll, fuse=fuse, parts=parts)
         except ValueError:
             continue
         if launch not in out:
             out.append(launch)
-    return out
+    return out[:4 if rows == 1 else 2]
 
 
 @dataclass(frozen=True)
@@ -203,22 +268,20 @@ class Occupancy:
     warps_per_sm: int
     fraction: float               # resident warps / 64
     waves: float                  # blocks / (blocks_per_sm x sms)
-    bytes_in_flight_per_sm: int   # resident threads x the 16-byte weight loads each issues before computing
+    bytes_in_flight_per_sm: int   # resident lanes x the 16-byte weight loads each issues before computing
 
 
 def occupancy(launch: Launch, registers: int, sms: int = H200_SMS) -> Occupancy:
     """Blocks resident per SM given the registers per thread (ptxas -v): the least of 2048 threads,
-    32 blocks and 65536 registers (allocated per warp in units of 256) per SM. ptxas 13.0 for sm_90a
-    gave 43 / 68 / 108 registers for 4-bit, 1 row, 1 / 2 / 4 rows per block, unroll 2 (105 for 2 rows
-    unroll 4; 177 for 4 rows x 4 rows per block), 32 / 40 / 64 for float16; no spills."""
+    32 blocks and 65536 registers (allocated per warp in units of 256) per SM. ptxas 13.0 for sm_90a, 1 row,
+    rows_per_warp/unroll 1/4, 2/2, 2/4, 4/2: 4-bit 56, 70, 96, 128 registers; float16 40, 40, 56, 64 (no spills)."""
     if registers < 1 or registers > 255:
         raise ValueError(f"registers={registers}: a thread has 1 to 255")
     per_warp = -(-registers * 32 // 256) * 256
-    blocks = min(2048 // launch.threads, 32, 65536 // (per_warp * launch.threads // 32))
-    warps = blocks * launch.threads // 32
-    per_thread = launch.loads_per_thread // launch.rows_per_block      # chunks of each row a thread reads
-    return Occupancy(blocks, warps, warps / 64, launch.blocks / (max(blocks, 1) * sms),
-                     blocks * launch.threads * 16 * launch.rows_per_block * min(launch.unroll, per_thread))
+    blocks = min(2048 // launch.threads, 32, 65536 // (per_warp * launch.warps))
+    warps = blocks * launch.warps
+    in_flight = launch.weight_rows_per_warp * min(launch.unroll, launch.chunks_per_lane)
+    return Occupancy(blocks, warps, warps / 64, launch.blocks / (max(blocks, 1) * sms), warps * 32 * 16 * in_flight)
 
 
 # --- the CUDA source ------------------------------------------------------------------------------------
@@ -241,7 +304,7 @@ __device__ __forceinline__ uint4 load_weights(const void* p) {
   return v;
 }
 
-// 8 or 4 activations (16 or 8 bytes), through the cache: every block reads x
+// 8 or 4 activations (16 or 8 bytes), through the cache: every warp reads x
 template <bool ALIGNED>
 __device__ __forceinline__ uint4 load_x16(const void* p) {
   if constexpr (ALIGNED) {
@@ -323,58 +386,82 @@ __device__ __forceinline__ void decode(uint32_t v, float (&q)[4]) {
   }
 }
 
-// Sum each thread's partials over the block; thread r*M+m writes y[m, row0 + r].
-template <typename T, int R, int M, int BT>
-__device__ __forceinline__ void store(float (&tot)[R][M], T* out, int row0, int n) {
-  __shared__ float part[BT / 32][R * M];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+__device__ __forceinline__ float warp_sum(float v) {
+  #pragma unroll
+  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+  return v;
+}
+
+// One weight matrix's arrays: codes (or the dense matrix) w, and for affine codes a scale and bias per group.
+template <typename W, typename T>
+struct Mat {
+  const W* w;
+  const T* s;
+  const T* b;
+};
+
+// Reduce a warp's partial sums; lane r*M+m writes y[m, row0 + r] (GLU: silu(gate row r) * up row r).
+template <typename T, int RW, int M, bool GLU>
+__device__ __forceinline__ void store(float (&tot)[RW][M], T* out, int row0, int n, int lane) {
+  constexpr int R = GLU ? RW / 2 : RW;
+  float mine = 0.0f;
   #pragma unroll
   for (int r = 0; r < R; ++r) {
     #pragma unroll
     for (int m = 0; m < M; ++m) {
-      float v = tot[r][m];
-      #pragma unroll
-      for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
-      if (lane == 0) part[warp][r * M + m] = v;
+      float v = warp_sum(tot[r][m]);
+      if constexpr (GLU) {
+        v = v / (1.0f + expf(-v)) * warp_sum(tot[r + R][m]);
+      }
+      if (lane == r * M + m) mine = v;
     }
   }
-  __syncthreads();
-  if (threadIdx.x < R * M) {
-    const int r = threadIdx.x / M, m = threadIdx.x % M;
-    float v = 0.0f;
-    #pragma unroll
-    for (int i = 0; i < BT / 32; ++i) v += part[i][threadIdx.x];
-    if (row0 + r < n) out[(int64_t)m * n + row0 + r] = from_float<T>(v);
-  }
+  const int r = lane / M, m = lane % M;
+  if (lane < R * M && row0 + r < n) out[(int64_t)m * n + row0 + r] = from_float<T>(mine);
 }
 
-// y (M, n) = x (M, k) W^T, W in MLX's affine layout: w (n, k*BITS/32) uint32, scales and biases (n, k/GROUP).
-template <bool ALIGNED, typename T, int BITS, int GROUP, int M, int R, int BT, int U>
-__device__ __forceinline__ void affine(const T* x, const uint32_t* w, const T* scales, const T* biases,
-                                       T* out, int n, int k) {
+// One warp: y (M, n) rows row0..row0+R-1 of x (M, k) W^T, W in MLX's affine layout (w (n, k*BITS/32)
+// uint32, scales and biases (n, k/GROUP)). Lane l reads 16-byte chunks l, l+32, ... of each of its rows,
+// U chunks per row in flight; GLU reads R rows of a (gate) and the same R rows of a2 (up).
+template <bool ALIGNED, typename T, int BITS, int GROUP, int M, int R, int U, bool GLU>
+__device__ __forceinline__ void affine_rows(const T* x, Mat<uint32_t, T> a, Mat<uint32_t, T> a2, T* out,
+                                            int n, int k, int row0) {
   constexpr int V = 32 / BITS;                 // codes per word
   constexpr int CV = 4 * V;                    // codes per 16-byte chunk, all in one group
+  constexpr int RW = GLU ? 2 * R : R;          // weight rows
+  if (row0 >= n) return;                       // the whole warp: no barrier follows
+  const int lane = threadIdx.x % 32;
   const int chunks = k / CV, words = k / V, groups = k / GROUP;
-  const int row0 = blockIdx.x * R;
-  float tot[R][M];
+  const uint32_t* wr[RW];
+  const T* sr[RW];
+  const T* br[RW];
   #pragma unroll
-  for (int r = 0; r < R; ++r) {
+  for (int r = 0; r < RW; ++r) {
+    const Mat<uint32_t, T>& src = (GLU && r >= R) ? a2 : a;
+    const int rr = row0 + (r % R);
+    const int64_t row = rr < n ? rr : n - 1;    // a last warp's spare rows re-read row n-1
+    wr[r] = src.w + row * words;
+    sr[r] = src.s + row * groups;
+    br[r] = src.b + row * groups;
+  }
+  float tot[RW][M];
+  #pragma unroll
+  for (int r = 0; r < RW; ++r) {
     #pragma unroll
     for (int m = 0; m < M; ++m) tot[r][m] = 0.0f;
   }
-  for (int c0 = threadIdx.x; c0 < chunks; c0 += U * BT) {
-    uint4 wq[U][R];
-    float s[U][R], b[U][R];
+  for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
+    uint4 wq[U][RW];
+    float s[U][RW], b[U][RW];
     #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int c = c0 + u * BT;
+      const int c = c0 + 32 * u;
       #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int64_t row = row0 + r < n ? row0 + r : n - 1;   // a last block's spare rows re-read row n-1
+      for (int r = 0; r < RW; ++r) {
         if (c < chunks) {
-          wq[u][r] = load_weights<ALIGNED>(w + row * words + 4 * c);
-          s[u][r] = to_float(scales[row * groups + c * CV / GROUP]);
-          b[u][r] = to_float(biases[row * groups + c * CV / GROUP]);
+          wq[u][r] = load_weights<ALIGNED>(wr[r] + 4 * c);
+          s[u][r] = to_float(sr[r][c * CV / GROUP]);
+          b[u][r] = to_float(br[r][c * CV / GROUP]);
         } else {
           wq[u][r] = make_uint4(0u, 0u, 0u, 0u);
           s[u][r] = 0.0f;
@@ -384,20 +471,20 @@ __device__ __forceinline__ void affine(const T* x, const uint32_t* w, const T* s
     }
     #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int c = c0 + u * BT;
+      const int c = c0 + 32 * u;
       if (c < chunks) {
-        float acc[R][M], xs[M];
+        float acc[RW][M], xs[M];
         #pragma unroll
         for (int m = 0; m < M; ++m) {
           xs[m] = 0.0f;
           #pragma unroll
-          for (int r = 0; r < R; ++r) acc[r][m] = 0.0f;
+          for (int r = 0; r < RW; ++r) acc[r][m] = 0.0f;
         }
         #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          float q[R][V];
+          float q[RW][V];
           #pragma unroll
-          for (int r = 0; r < R; ++r) decode(word(wq[u][r], i), q[r]);
+          for (int r = 0; r < RW; ++r) decode(word(wq[u][r], i), q[r]);
           #pragma unroll
           for (int m = 0; m < M; ++m) {
             float xv[V];
@@ -407,58 +494,67 @@ __device__ __forceinline__ void affine(const T* x, const uint32_t* w, const T* s
             #pragma unroll
             for (int e = 0; e < V; ++e) xs[m] += xv[e];
             #pragma unroll
-            for (int r = 0; r < R; ++r) {
+            for (int r = 0; r < RW; ++r) {
               #pragma unroll
               for (int e = 0; e < V; ++e) acc[r][m] = fmaf(q[r][e], xv[e], acc[r][m]);
             }
           }
         }
+        // sum_i (s q_i + b) x_i = s sum_i q_i x_i + b sum_i x_i
         #pragma unroll
-        for (int r = 0; r < R; ++r) {
+        for (int r = 0; r < RW; ++r) {
           #pragma unroll
           for (int m = 0; m < M; ++m) tot[r][m] = fmaf(s[u][r], acc[r][m], fmaf(b[u][r], xs[m], tot[r][m]));
         }
       }
     }
   }
-  store<T, R, M, BT>(tot, out, row0, n);
+  store<T, RW, M, GLU>(tot, out, row0, n, lane);
 }
 
-// y (M, n) = x (M, k) W^T, W (n, k) dense in T.
-template <bool ALIGNED, typename T, int M, int R, int BT, int U>
-__device__ __forceinline__ void dense(const T* x, const T* w, T* out, int n, int k) {
+// The same for a dense matrix W (n, k) in T: chunks of 8 weights.
+template <bool ALIGNED, typename T, int M, int R, int U, bool GLU>
+__device__ __forceinline__ void dense_rows(const T* x, Mat<T, T> a, Mat<T, T> a2, T* out, int n, int k, int row0) {
+  constexpr int RW = GLU ? 2 * R : R;
+  if (row0 >= n) return;
+  const int lane = threadIdx.x % 32;
   const int chunks = k / 8;
-  const int row0 = blockIdx.x * R;
-  float tot[R][M];
+  const T* wr[RW];
   #pragma unroll
-  for (int r = 0; r < R; ++r) {
+  for (int r = 0; r < RW; ++r) {
+    const int rr = row0 + (r % R);
+    const int64_t row = rr < n ? rr : n - 1;
+    wr[r] = ((GLU && r >= R) ? a2.w : a.w) + row * k;
+  }
+  float tot[RW][M];
+  #pragma unroll
+  for (int r = 0; r < RW; ++r) {
     #pragma unroll
     for (int m = 0; m < M; ++m) tot[r][m] = 0.0f;
   }
-  for (int c0 = threadIdx.x; c0 < chunks; c0 += U * BT) {
-    uint4 wq[U][R];
+  for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
+    uint4 wq[U][RW];
     #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int c = c0 + u * BT;
+      const int c = c0 + 32 * u;
       #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int64_t row = row0 + r < n ? row0 + r : n - 1;
-        wq[u][r] = c < chunks ? load_weights<ALIGNED>(w + row * k + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
+      for (int r = 0; r < RW; ++r) {
+        wq[u][r] = c < chunks ? load_weights<ALIGNED>(wr[r] + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
       }
     }
     #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int c = c0 + u * BT;
+      const int c = c0 + 32 * u;
       if (c < chunks) {
-        float wv[R][8];
+        float wv[RW][8];
         #pragma unroll
-        for (int r = 0; r < R; ++r) unpack<T>(wq[u][r], wv[r]);
+        for (int r = 0; r < RW; ++r) unpack<T>(wq[u][r], wv[r]);
         #pragma unroll
         for (int m = 0; m < M; ++m) {
           float xv[8];
           unpack<T>(load_x16<ALIGNED>(x + (int64_t)m * k + 8 * c), xv);
           #pragma unroll
-          for (int r = 0; r < R; ++r) {
+          for (int r = 0; r < RW; ++r) {
             #pragma unroll
             for (int e = 0; e < 8; ++e) tot[r][m] = fmaf(wv[r][e], xv[e], tot[r][m]);
           }
@@ -466,29 +562,59 @@ __device__ __forceinline__ void dense(const T* x, const T* w, T* out, int n, int
       }
     }
   }
-  store<T, R, M, BT>(tot, out, row0, n);
+  store<T, RW, M, GLU>(tot, out, row0, n, lane);
 }
+
+// Which warp of the grid this is: warps are independent, each owns R consecutive output rows.
+__device__ __forceinline__ int warp_id() { return blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; }
 
 }  // namespace ref_gemv
 """
 
-_AFFINE_SOURCE = """
-  const int n = w_shape[0], k = x_shape[1];
-  if (((uintptr_t)x | (uintptr_t)w) % 16 == 0) {
-    ::ref_gemv::affine<true, T, BITS, GROUP, M, R, BT, U>(x, w, scales, biases, out, n, k);
-  } else {
-    ::ref_gemv::affine<false, T, BITS, GROUP, M, R, BT, U>(x, w, scales, biases, out, n, k);
-  }
-"""
+# The bodies MLX wraps in a kernel signature built from input_names (x, w0, s0, b0, ...), output_names
+# (y0, ...) and the template constants T, M, R, U (and BITS, GROUP); w0_shape etc. are generated because
+# the body names them. "qkv": three matrices side by side, each to its own output; a warp never straddles
+# two of them. "glu": silu(x W0^T) * (x W1^T).
+_CALL_AFFINE = "::ref_gemv::affine_rows<{a}, T, BITS, GROUP, M, R, U, {glu}>(x, {m}, {m2}, {y}, {n}, k, {row0})"
+_CALL_DENSE = "::ref_gemv::dense_rows<{a}, T, M, R, U, {glu}>(x, {m}, {m2}, {y}, {n}, k, {row0})"
 
-_DENSE_SOURCE = """
-  const int n = w_shape[0], k = x_shape[1];
-  if (((uintptr_t)x | (uintptr_t)w) % 16 == 0) {
-    ::ref_gemv::dense<true, T, M, R, BT, U>(x, w, out, n, k);
-  } else {
-    ::ref_gemv::dense<false, T, M, R, BT, U>(x, w, out, n, k);
-  }
-"""
+
+def _body(dense: bool, fuse: str) -> str:
+    """The kernel body for one matrix ("") or a fused group ("glu", "qkv")."""
+    call = _CALL_DENSE if dense else _CALL_AFFINE
+    mats = 3 if fuse == "qkv" else 2 if fuse == "glu" else 1
+    w_t = "T" if dense else "uint32_t"
+    lines = [f"  const int k = w0_shape[1]{'' if dense else ' * (32 / BITS)'};",
+             "  const int wid = ::ref_gemv::warp_id();"]
+    for i in range(mats):
+        arrays = f"w{i}, nullptr, nullptr" if dense else f"w{i}, s{i}, b{i}"
+        lines.append(f"  const ::ref_gemv::Mat<{w_t}, T> m{i}{{{arrays}}};")
+    # pointers not 16-byte aligned (a sliced input) take the 2-byte-load path: same results, slower
+    ptrs = " | ".join(f"(uintptr_t){p}" for p in ["x"] + [f"w{i}" for i in range(mats)])
+    lines.append(f"  const bool al = (({ptrs}) & 15) == 0;")
+
+    def both(m: str, m2: str, y: str, n: str, row0: str) -> str:
+        kw = dict(m=m, m2=m2, y=y, n=n, row0=row0, glu="true" if fuse == "glu" else "false")
+        return f"if (al) {call.format(a='true', **kw)}; else {call.format(a='false', **kw)};"
+
+    if fuse == "qkv":   # warps 0..c0-1 run q's rows, then k's, then v's
+        lines += ["  const int n0 = w0_shape[0], n1 = w1_shape[0], n2 = w2_shape[0];",
+                  "  const int c0 = (n0 + R - 1) / R, c1 = (n1 + R - 1) / R;",
+                  "  const bool in0 = wid < c0, in1 = !in0 && wid < c0 + c1;",
+                  f"  const ::ref_gemv::Mat<{w_t}, T> m = in0 ? m0 : in1 ? m1 : m2;",
+                  "  T* const y = in0 ? y0 : in1 ? y1 : y2;",
+                  "  const int n = in0 ? n0 : in1 ? n1 : n2;",
+                  "  const int row0 = (in0 ? wid : in1 ? wid - c0 : wid - c0 - c1) * R;",
+                  f"  {both('m', 'm', 'y', 'n', 'row0')}"]
+    else:
+        lines += [f"  {both('m0', 'm1' if fuse == 'glu' else 'm0', 'y0', 'w0_shape[0]', 'wid * R')}"]
+    return "\n".join(lines) + "\n"
+
+
+def _minified(src: str) -> str:
+    """The source without comments and indentation: MLX copies and hashes it at every call."""
+    lines = (re.sub(r"//.*$", "", line).strip() for line in src.splitlines())
+    return "\n".join(line for line in lines if line) + "\n"
 
 
 def on_cuda() -> bool:
@@ -496,28 +622,82 @@ def on_cuda() -> bool:
     return mx.cuda.is_available() and mx.default_device() == mx.gpu
 
 
+FUSES = ("", "glu", "qkv")
+
+
+def input_names(dense: bool, fuse: str = "") -> list[str]:
+    """The kernel's inputs: x, then per matrix w (and s, b for affine codes)."""
+    mats = 3 if fuse == "qkv" else 2 if fuse == "glu" else 1
+    return ["x"] + [f"{a}{i}" for i in range(mats) for a in (("w",) if dense else ("w", "s", "b"))]
+
+
 @functools.cache
-def _kernel(dense: bool):
-    if dense:
-        return mx.fast.cuda_kernel(name="ref_gemv_dense", input_names=["x", "w"], output_names=["out"],
-                                   source=_DENSE_SOURCE, header=_HEADER)
-    return mx.fast.cuda_kernel(name="ref_gemv_affine", input_names=["x", "w", "scales", "biases"],
-                               output_names=["out"], source=_AFFINE_SOURCE, header=_HEADER)
+def _kernel(dense: bool, fuse: str = ""):
+    outputs = ["y0", "y1", "y2"] if fuse == "qkv" else ["y0"]
+    name = f"ref_gemv_{'dense' if dense else 'affine'}{'_' + fuse if fuse else ''}"
+    return mx.fast.cuda_kernel(name=name, input_names=input_names(dense, fuse), output_names=outputs,
+                               source=_body(dense, fuse), header=_minified(_HEADER))
 
 
-def _launch_for(fmt: Format, x: mx.array, n: int, launch: Launch | None) -> tuple[mx.array, Launch]:
-    """x as (rows, k) and the launch, checked against each other."""
-    k = x.shape[-1]
-    rows = x.size // k if k else 0
+@functools.cache
+def _runner(launch: Launch) -> Callable[..., list[mx.array]]:
+    """run(x, *arrays) -> outputs for this launch, without checks: the per-call path. arrays: per matrix
+    (w,) or (w, scales, biases), as `input_names`; x (..., k) gives outputs (..., n) (qkv: one per part)."""
+    kern = _kernel(launch.fmt.bits == 16, launch.fuse)
+    tpl, grid, tg = launch.template, launch.grid, launch.threadgroup
+    sizes = launch.parts if launch.fuse == "qkv" else (launch.n,)
+    dts = [DTYPES[launch.fmt.dtype]] * len(sizes)
+
+    def run(x: mx.array, *arrays: mx.array) -> list[mx.array]:
+        lead = x.shape[:-1]
+        return kern(inputs=[x, *arrays], template=tpl, grid=grid, threadgroup=tg,
+                    output_shapes=[(*lead, s) for s in sizes], output_dtypes=dts)
+    return run
+
+
+def gemv(x: mx.array, mats: Sequence[tuple[mx.array, ...]], fmt: Format, fuse: str = "",
+         launch: Launch | None = None) -> list[mx.array]:
+    """The checked entry point: x (..., k) against each matrix of `mats` ((w,) dense, (w, scales, biases)
+    affine), accumulated in float32, 1 to 9 rows. fuse "": one matrix, [y]; "glu": (gate, up),
+    [silu(x Wg^T) * (x Wu^T)]; "qkv": three matrices, [x Wq^T, x Wk^T, x Wv^T]."""
+    if x.dtype not in DTYPES.values() or dtype_name(x.dtype) != fmt.dtype:
+        raise ValueError(f"unsupported activation dtype {x.dtype}: the kernels take float16 or bfloat16, "
+                         f"as the weights' {fmt.dtype}")
+    want = {"": 1, "glu": 2, "qkv": 3}.get(fuse)
+    if want is None or len(mats) != want:
+        raise ValueError(f"fuse={fuse!r} takes {want} matrices, got {len(mats)}")
+    shapes = []
+    for arrays in mats:
+        w = arrays[0]
+        if fmt.bits == 16:
+            if len(arrays) != 1 or w.ndim != 2 or w.dtype != x.dtype:
+                raise ValueError(f"w must be a {x.dtype} matrix (n, k), got {w.dtype} of shape {w.shape}")
+            n, k = w.shape
+        else:
+            if len(arrays) != 3 or w.dtype != mx.uint32 or w.ndim != 2:
+                raise ValueError(f"w must be uint32 (n, k * bits / 32) codes, got {w.dtype} of shape {w.shape}")
+            n, k = w.shape[0], w.shape[1] * 32 // fmt.bits
+            for name, a in zip(("scales", "biases"), arrays[1:]):
+                if a.shape != (n, k // fmt.group_size) or a.dtype != x.dtype:
+                    raise ValueError(f"{name} must be {x.dtype} of shape {(n, k // fmt.group_size)}, "
+                                     f"got {a.dtype} {a.shape}")
+        shapes.append((n, k))
+    k = shapes[0][1]
+    if x.ndim < 1 or x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1] if x.ndim else 0} features, the matrix {shapes[0]} takes {k}")
+    if any(s[1] != k for s in shapes) or (fuse == "glu" and shapes[0] != shapes[1]):
+        raise ValueError(f"fused matrices must agree: {shapes}")
+    rows = x.size // k
+    n, parts = (sum(s[0] for s in shapes), tuple(s[0] for s in shapes)) if fuse == "qkv" else (shapes[0][0], ())
     if launch is None:
-        launch = launch_config(fmt, n, k, rows)
-    elif (launch.fmt, launch.n, launch.k, launch.rows) != (fmt, n, k, rows):
+        launch = launch_config(fmt, n, k, rows, fuse=fuse, parts=parts)
+    elif (launch.fmt, launch.n, launch.k, launch.rows, launch.fuse, launch.parts) != (fmt, n, k, rows, fuse, parts):
         raise ValueError(f"launch for {launch.fmt.name} ({launch.rows}, {launch.k}) x ({launch.n}, {launch.k}) "
-                         f"used for {fmt.name} ({rows}, {k}) x ({n}, {k})")
+                         f"{launch.fuse} used for {fmt.name} ({rows}, {k}) x ({n}, {k}) {fuse}")
     if not on_cuda():
         raise RuntimeError(f"the GEMV kernels need MLX's CUDA backend; this is {mx.default_device()} "
                            "(use mx.quantized_matmul or matmul)")
-    return x.reshape(rows, k), launch
+    return _runner(launch)(x, *[a for arrays in mats for a in arrays])
 
 
 def affine_gemv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
@@ -526,33 +706,14 @@ def affine_gemv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, gr
     mx.quantized_matmul(x, w, scales, biases, transpose=True) but accumulated in float32; 1 to 9 rows."""
     if x.dtype not in DTYPES.values():
         raise ValueError(f"unsupported activation dtype {x.dtype}: the kernels take float16 or bfloat16")
-    fmt = Format(bits, group_size, dtype_name(x.dtype))
-    if w.dtype != mx.uint32 or w.ndim != 2:
-        raise ValueError(f"w must be uint32 (n, k * bits / 32) codes, got {w.dtype} of shape {w.shape}")
-    n, k = w.shape[0], w.shape[1] * 32 // bits
-    if x.ndim < 1 or x.shape[-1] != k:
-        raise ValueError(f"x has {x.shape[-1] if x.ndim else 0} features, the {bits}-bit codes w {w.shape} hold {k}")
-    for name, a in (("scales", scales), ("biases", biases)):
-        if a.shape != (n, k // group_size) or a.dtype != x.dtype:
-            raise ValueError(f"{name} must be {x.dtype} of shape {(n, k // group_size)}, got {a.dtype} {a.shape}")
-    x2, launch = _launch_for(fmt, x, n, launch)
-    y = _kernel(False)(inputs=[x2, w, scales, biases], template=launch.template, grid=launch.grid,
-                       threadgroup=launch.threadgroup, output_shapes=[(launch.rows, n)], output_dtypes=[x.dtype])[0]
-    return y.reshape(*x.shape[:-1], n)
+    return gemv(x, [(w, scales, biases)], Format(bits, group_size, dtype_name(x.dtype)), "", launch)[0]
 
 
 def dense_gemv(x: mx.array, w: mx.array, launch: Launch | None = None) -> mx.array:
     """x (..., k) @ w.T for a float16/bfloat16 matrix w (n, k), accumulated in float32; 1 to 9 rows."""
     if x.dtype not in DTYPES.values():
         raise ValueError(f"unsupported activation dtype {x.dtype}: the kernels take float16 or bfloat16")
-    if w.ndim != 2 or w.dtype != x.dtype:
-        raise ValueError(f"w must be a {x.dtype} matrix (n, k), got {w.dtype} of shape {w.shape}")
-    if x.ndim < 1 or x.shape[-1] != w.shape[1]:
-        raise ValueError(f"x has {x.shape[-1] if x.ndim else 0} features, w {w.shape} takes {w.shape[1]}")
-    x2, launch = _launch_for(Format(16, 0, dtype_name(x.dtype)), x, w.shape[0], launch)
-    y = _kernel(True)(inputs=[x2, w], template=launch.template, grid=launch.grid, threadgroup=launch.threadgroup,
-                      output_shapes=[(launch.rows, w.shape[0])], output_dtypes=[x.dtype])[0]
-    return y.reshape(*x.shape[:-1], w.shape[0])
+    return gemv(x, [(w,)], Format(16, 0, dtype_name(x.dtype)), "", launch)[0]
 
 
 # --- in the decoder -------------------------------------------------------------------------------------
@@ -571,9 +732,14 @@ def format_of(layer: nn.Module) -> Format | None:
     return None
 
 
+def _plain(module: nn.Module, name: str, value: object) -> None:
+    """Set an attribute that nn.Module must not treat as a parameter (a dict), found without __getattr__."""
+    object.__setattr__(module, name, value)
+
+
 class GEMVLinear(nn.Module):
     """An nn.Linear / affine nn.QuantizedLinear (same parameters, same names) whose calls with a row count
-    in `launches` run our kernel; every other call runs MLX's built-in, as the layer it replaces did."""
+    it has a run for go to our kernel; every other call runs MLX's built-in, as the layer it replaces did."""
 
     def __init__(self, layer: nn.Module, fmt: Format):
         super().__init__()
@@ -583,7 +749,10 @@ class GEMVLinear(nn.Module):
             self.scales, self.biases = layer.scales, layer.biases
         if "bias" in layer:
             self.bias = layer.bias
-        self._launches: dict[int, Launch] = {}   # rows -> launch; the underscore keeps it out of parameters
+        self.act_dtype = DTYPES[fmt.dtype]
+        _plain(self, "_chosen", {})    # rows -> Launch (None: the built-in), what patch measured
+        _plain(self, "_runs", {})      # rows -> run(x): what calls use now (enable)
+        _plain(self, "_qkv", None)     # the _QKV group it belongs to, if any
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -591,47 +760,167 @@ class GEMVLinear(nn.Module):
         n, cols = self.weight.shape
         return n, cols * 32 // self.fmt.bits if self.fmt.bits != 16 else cols
 
+    def arrays(self) -> tuple[mx.array, ...]:
+        """The kernel inputs of this matrix: (w,) or (w, scales, biases)."""
+        return (self["weight"],) if self.fmt.bits == 16 else (self["weight"], self["scales"], self["biases"])
+
     def use(self, rows: int, launch: Launch | None) -> None:
-        """Run calls of `rows` activation rows with `launch` (None: MLX's built-in)."""
-        if launch is None:
-            self._launches.pop(rows, None)
-        else:
-            self._launches[rows] = launch
+        """Run calls of `rows` activation rows with `launch` (None: MLX's built-in), from now on."""
+        self._chosen[rows] = launch
+        self._runs.pop(rows, None)
+        if launch is not None:
+            self._runs[rows] = self.bind(launch)
+
+    def bind(self, launch: Launch) -> Callable[[mx.array], mx.array]:
+        """Our GEMV with this launch, as a one-argument function of x (no checks)."""
+        run = _runner(launch)
+        if self.fmt.bits == 16:
+            return lambda x: run(x, self["weight"])[0]
+        return lambda x: run(x, self["weight"], self["scales"], self["biases"])[0]
 
     def builtin(self, x: mx.array) -> mx.array:
         """MLX's own matmul, as the replaced layer computed it."""
         if self.fmt.bits == 16:
-            return x @ self.weight.T
-        return mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True,
+            return x @ self["weight"].T
+        return mx.quantized_matmul(x, self["weight"], self["scales"], self["biases"], transpose=True,
                                    group_size=self.fmt.group_size, bits=self.fmt.bits)
 
     def kernel(self, x: mx.array, launch: Launch) -> mx.array:
-        """Our GEMV with this launch."""
-        if self.fmt.bits == 16:
-            return dense_gemv(x, self.weight, launch)
-        return affine_gemv(x, self.weight, self.scales, self.biases, self.fmt.group_size, self.fmt.bits, launch)
+        """Our GEMV with this launch, checked."""
+        return gemv(x, [self.arrays()], self.fmt, "", launch)[0]
 
     def __call__(self, x: mx.array) -> mx.array:
-        launch = self._launches.get(x.size // x.shape[-1]) if x.dtype == DTYPES[self.fmt.dtype] else None
-        y = self.builtin(x) if launch is None else self.kernel(x, launch)
-        return y + self.bias if "bias" in self else y
+        run = self._runs.get(x.size // x.shape[-1]) if x.dtype == self.act_dtype else None
+        y = self.builtin(x) if run is None else run(x)
+        return y + self["bias"] if "bias" in self else y
 
 
-def _seconds(fn: Callable[[], list], reps: int) -> float:
-    """Best wall time of mx.eval(fn()) over reps, after one warm-up call (which compiles)."""
-    mx.eval(fn())
-    best = math.inf
+class GatedMLP(nn.Module):
+    """model.MLP (same children, same parameter names) whose gate and up projections run as one fused
+    kernel, silu(x Wg^T) * (x Wu^T), for the row counts it has a run for; otherwise as model.MLP."""
+
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        _plain(self, "_chosen", {})
+        _plain(self, "_runs", {})
+
+    def use(self, rows: int, launch: Launch | None) -> None:
+        self._chosen[rows] = launch
+        self._runs.pop(rows, None)
+        if launch is not None:
+            self._runs[rows] = self.bind(launch)
+
+    def bind(self, launch: Launch) -> Callable[[mx.array], mx.array]:
+        run, g, u = _runner(launch), self.gate_proj, self.up_proj
+        return lambda x: run(x, *g.arrays(), *u.arrays())[0]
+
+    def hidden(self, x: mx.array) -> mx.array:
+        """silu(gate) * up, as model.MLP computes it (through the projections' own choices)."""
+        return nn.silu(self.gate_proj(x)) * self.up_proj(x)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        run = self._runs.get(x.size // x.shape[-1]) if x.dtype == self.gate_proj.act_dtype else None
+        return self.down_proj(self.hidden(x) if run is None else run(x))
+
+
+class _QKV:
+    """Attention's q, k and v projections run as one kernel: the q call runs all three for its x and keeps
+    the outputs; the k and v calls hand them out when given the same x (Attention calls all three on one
+    array), else compute their own."""
+
+    def __init__(self, q: GEMVLinear, k: GEMVLinear, v: GEMVLinear):
+        self.mods = (q, k, v)
+        self.chosen: dict[int, Launch | None] = {}
+        self.last: tuple[mx.array, list[mx.array]] | None = None
+
+    @property
+    def shape(self) -> tuple[tuple[int, ...], int]:
+        return tuple(m.shape[0] for m in self.mods), self.mods[0].shape[1]
+
+    def fused(self, launch: Launch) -> Callable[[mx.array], list[mx.array]]:
+        run, (q, k, v) = _runner(launch), self.mods
+        return lambda x: run(x, *q.arrays(), *k.arrays(), *v.arrays())
+
+    def unfused(self, x: mx.array) -> list[mx.array]:
+        return [m(x) for m in self.mods]
+
+    def install(self, rows: int, launch: Launch) -> None:
+        """Route calls of `rows` rows through the fused kernel (over the projections' own runs)."""
+        fused, (q, k, v) = self.fused(launch), self.mods
+
+        def lead(x: mx.array) -> mx.array:
+            outs = fused(x)
+            self.last = (x, outs)
+            return outs[0]
+
+        def follow(i: int, own: Callable[[mx.array], mx.array]) -> Callable[[mx.array], mx.array]:
+            def run(x: mx.array) -> mx.array:
+                last = self.last
+                if last is not None and last[0] is x:
+                    if i == 2:
+                        self.last = None
+                    return last[1][i]
+                return own(x)
+            return run
+
+        k_own, v_own = k._runs.get(rows, k.builtin), v._runs.get(rows, v.builtin)
+        q._runs[rows], k._runs[rows], v._runs[rows] = lead, follow(1, k_own), follow(2, v_own)
+
+
+def enable(model: nn.Module, gemv: bool = True, fused: bool = True) -> None:
+    """Use the launches patch chose (gemv: the single GEMVs; fused: gate/up and q/k/v), or MLX's built-ins
+    where False. The model's parameters are not touched."""
+    for m in model.modules():
+        if isinstance(m, (GEMVLinear, GatedMLP)):
+            m._runs.clear()
+            if gemv if isinstance(m, GEMVLinear) else fused:
+                m._runs.update({r: m.bind(la) for r, la in m._chosen.items() if la is not None})
+    for m in model.modules():
+        if isinstance(m, GEMVLinear) and m._qkv is not None and m is m._qkv.mods[0]:
+            m._qkv.last = None
+            for r, la in m._qkv.chosen.items() if fused else ():
+                if la is not None:
+                    m._qkv.install(r, la)
+
+
+def _timed(make: Callable[[], list], reps: int) -> tuple[float, float]:
+    """(eval, build): best seconds of mx.eval on a graph from make() (built before the clock starts) over
+    reps, after one warm-up (which compiles), and the best seconds make() took."""
+    mx.eval(make())
+    best_eval = best_build = math.inf
     for _ in range(reps):
         t0 = time.perf_counter()
-        mx.eval(fn())
-        best = min(best, time.perf_counter() - t0)
-    return best
+        outs = make()
+        t1 = time.perf_counter()
+        mx.eval(outs)
+        t2 = time.perf_counter()
+        best_build, best_eval = min(best_build, t1 - t0), min(best_eval, t2 - t1)
+    return best_eval, best_build
+
+
+def time_calls(calls: dict[str, Sequence[Callable[[mx.array], object]]], x: mx.array, passes: int, reps: int = 5
+               ) -> tuple[dict[str, float], dict[str, float], dict[str, str]]:
+    """Per label: seconds per call of `passes` rounds of every function in its list on x, queued in one
+    mx.eval (graph built first, untimed: the time per call is the kernel's, with MLX's encoding overlapping
+    it), the host seconds per call to build that graph, and the labels that failed (an NVRTC compile
+    error, which MLX raises at eval) with their message."""
+    per_call, host, errors = {}, {}, {}
+    for label, fns in calls.items():
+        try:
+            ev, build = _timed(lambda: [f(x) for _ in range(passes) for f in fns], reps)
+        except RuntimeError as e:
+            errors[label] = str(e)
+            continue
+        per_call[label], host[label] = ev / (passes * len(fns)), build / (passes * len(fns))
+    return per_call, host, errors
 
 
 @dataclass
 class Choice:
-    """What a measurement chose for one (format, shape, rows): a launch or MLX's built-in (None), and the
-    seconds per GEMV of every variant timed (failed variants: their error)."""
+    """What a measurement chose for one (format, shape, rows): a launch or MLX's built-in (None), with the
+    seconds per call of every variant timed (queued), their host seconds to build, and failed variants'
+    errors. fuse "glu"/"qkv": a fused group, against the unfused calls ("unfused")."""
     fmt: Format
     n: int
     k: int
@@ -639,59 +928,131 @@ class Choice:
     layers: int
     launch: Launch | None
     seconds: dict[str, float] = field(default_factory=dict)
+    host: dict[str, float] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    fuse: str = ""
+    parts: tuple[int, ...] = ()
 
 
 BUILTIN = "mlx built-in"
+UNFUSED = "unfused"
+
+
+def _activation(fmt: Format, rows: int, k: int, seed: int = 0) -> mx.array:
+    x = (mx.random.normal((rows, k), key=mx.random.key(seed)) * 0.1).astype(DTYPES[fmt.dtype])
+    mx.eval(x)
+    return x
+
+
+def _passes(nbytes: int, calls: int, min_bytes: int) -> int:
+    """Rounds over `calls` matrices of nbytes each so a timing reads at least min_bytes (more than L2)."""
+    return max(1, min(64, -(-min_bytes // (calls * nbytes))))
 
 
 def time_variants(layers: Sequence[GEMVLinear], rows: int, launches: Sequence[Launch], reps: int = 5,
-                  min_bytes: int = 256 << 20, seed: int = 0) -> tuple[dict[str, float], dict[str, str]]:
-    """Seconds per GEMV of MLX's built-in and of each launch, over all `layers` (same format and shape)
-    in turn, repeated until min_bytes of weights are read per timing (more than the L2 cache holds).
-    A launch that fails (a compile error) is reported in the second dict instead of timed."""
+                  min_bytes: int = 256 << 20, seed: int = 0
+                  ) -> tuple[dict[str, float], dict[str, float], dict[str, str]]:
+    """time_calls for MLX's built-in and each launch over all `layers` (same format and shape) in turn,
+    repeated until min_bytes of weights are read per timing."""
     n, k = layers[0].shape
-    x = (mx.random.normal((rows, k), key=mx.random.key(seed)) * 0.1).astype(DTYPES[layers[0].fmt.dtype])
-    passes = max(1, min(64, -(-min_bytes // (len(layers) * layers[0].fmt.weight_bytes(n, k)))))
-    calls = passes * len(layers)
-    seconds = {BUILTIN: _seconds(lambda: [m.builtin(x) for _ in range(passes) for m in layers], reps) / calls}
-    errors = {}
-    for launch in launches:
-        try:
-            seconds[launch.label] = _seconds(lambda: [m.kernel(x, launch) for _ in range(passes) for m in layers],
-                                             reps) / calls
-        except RuntimeError as e:     # MLX raises NVRTC's compile log as a RuntimeError at eval
-            errors[launch.label] = str(e)
-    return seconds, errors
+    x = _activation(layers[0].fmt, rows, k, seed)
+    calls = {BUILTIN: [m.builtin for m in layers]}
+    calls.update({la.label: [m.bind(la) for m in layers] for la in launches})
+    return time_calls(calls, x, _passes(layers[0].fmt.weight_bytes(n, k), len(layers), min_bytes), reps)
 
 
-def patch(model: nn.Module, rows: Sequence[int] = (1,), measure: bool = True) -> list[Choice]:
-    """Swap every nn.Linear / affine nn.QuantizedLinear the kernels can run for a GEMVLinear. On MLX's CUDA
-    backend, per (format, shape) and row count in `rows`, choose our fastest launch or MLX's built-in by
-    timing them on the model's own weights (measure=False: launch_config's default, untimed). Elsewhere
-    nothing is chosen and every call stays MLX's built-in. Returns the choices, for results."""
+def _choose(choice: Choice, launches: Sequence[Launch], baseline: str) -> None:
+    """Set choice.launch to the fastest timed launch, or None when `baseline` was fastest."""
+    best = min(choice.seconds, key=choice.seconds.get) if choice.seconds else baseline
+    choice.launch = next((la for la in launches if la.label == best), None)
+
+
+def patch(model: nn.Module, rows: Sequence[int] = (1,), measure: bool = True, fuse: bool = False,
+          reps: int = 5) -> list[Choice]:
+    """Swap every nn.Linear / affine nn.QuantizedLinear the kernels can run for a GEMVLinear (fuse: and each
+    model.MLP for a GatedMLP, q/k/v of an attention into a group). On MLX's CUDA backend, per (format,
+    shape) and row count in `rows`, choose our fastest launch or MLX's built-in by timing them on the
+    model's own weights (measure=False: launch_config's default, untimed); fused groups against their
+    unfused calls. Elsewhere nothing is chosen and every call stays MLX's built-in. Returns the choices."""
     if not rows or any(not 1 <= r <= MAX_ROWS for r in rows):
         raise ValueError(f"rows {list(rows)}: each must be 1 to {MAX_ROWS}")
     swaps = [(name, GEMVLinear(m, fmt)) for name, m in model.named_modules() if (fmt := format_of(m)) is not None]
     model.update_modules(tree_unflatten(swaps))
+    qkvs, mlps = [], []
+    if fuse:
+        mlps = [(name, GatedMLP(m)) for name, m in model.named_modules() if type(m) is MLP and _fusable(
+            (m.gate_proj, m.up_proj), same_n=True)]
+        model.update_modules(tree_unflatten(mlps))
+        for _, m in model.named_modules():
+            group = [getattr(m, p, None) for p in ("q_proj", "k_proj", "v_proj")]
+            if _fusable(group, same_n=False):
+                qkv = _QKV(*group)
+                for g in group:
+                    _plain(g, "_qkv", qkv)
+                qkvs.append(qkv)
+    choices = []
     groups: dict[tuple[Format, int, int], list[GEMVLinear]] = {}
     for _, m in swaps:
         groups.setdefault((m.fmt, *m.shape), []).append(m)
-    choices = []
     for (fmt, n, k), layers in groups.items() if on_cuda() else ():
         for r in rows:
             try:
                 launches = candidates(fmt, n, k, r) if measure else [launch_config(fmt, n, k, r)]
             except ValueError:     # k the kernels cannot tile (e.g. not a multiple of 8): built-in
-                choices.append(Choice(fmt, n, k, r, len(layers), None))
-                continue
-            choice = Choice(fmt, n, k, r, len(layers), launches[0])
-            if measure:
-                choice.seconds, choice.errors = time_variants(layers, r, launches)
-                best = min(choice.seconds, key=choice.seconds.get)
-                choice.launch = next((la for la in launches if la.label == best), None)
+                launches = []
+            choice = Choice(fmt, n, k, r, len(layers), launches[0] if launches else None)
+            if measure and launches:
+                choice.seconds, choice.host, choice.errors = time_variants(layers, r, launches, reps)
+                _choose(choice, launches, BUILTIN)
             for m in layers:
                 m.use(r, choice.launch)
+            choices.append(choice)
+    if on_cuda() and fuse:
+        choices += _choose_fused([m for _, m in mlps], "glu", rows, measure, reps)
+        choices += _choose_fused(qkvs, "qkv", rows, measure, reps)
+    enable(model, gemv=True, fused=fuse)
+    return choices
+
+
+def _fusable(mods: Sequence[object], same_n: bool) -> bool:
+    """True when these GEMVLinears can run as one fused kernel: same format and inputs, no bias."""
+    if not mods or not all(isinstance(m, GEMVLinear) and "bias" not in m for m in mods):
+        return False
+    return (len({m.fmt for m in mods}) == 1 and len({m.shape[1] for m in mods}) == 1
+            and (not same_n or len({m.shape[0] for m in mods}) == 1))
+
+
+def _choose_fused(items: Sequence[GatedMLP | _QKV], fuse: str, rows: Sequence[int], measure: bool, reps: int,
+                  min_bytes: int = 256 << 20) -> list[Choice]:
+    """Per shape and row count, the fastest fused launch or the unfused calls (UNFUSED), as patch does."""
+    groups: dict[tuple, list] = {}
+    for it in items:
+        first = it.gate_proj if fuse == "glu" else it.mods[0]
+        parts = () if fuse == "glu" else tuple(m.shape[0] for m in it.mods)
+        groups.setdefault((first.fmt, first.shape, parts), []).append(it)
+    choices = []
+    for (fmt, (n, k), parts), its in groups.items():
+        total = sum(parts) if parts else n
+        for r in rows:
+            try:
+                launches = candidates(fmt, total, k, r, fuse, parts) if measure else [
+                    launch_config(fmt, total, k, r, fuse=fuse, parts=parts)]
+            except ValueError:
+                launches = []
+            choice = Choice(fmt, total, k, r, len(its), launches[0] if launches else None, fuse=fuse, parts=parts)
+            if measure and launches:
+                x = _activation(fmt, r, k)
+                calls = {UNFUSED: [it.hidden if fuse == "glu" else it.unfused for it in its]}
+                calls.update({la.label: [(it.bind if fuse == "glu" else it.fused)(la) for it in its] for la in launches})
+                nbytes = launches[0].bytes - 2 * r * (k + total)
+                choice.seconds, choice.host, choice.errors = time_calls(
+                    calls, x, _passes(nbytes, len(its), min_bytes), reps)
+                _choose(choice, launches, UNFUSED)
+            for it in its:
+                if fuse == "glu":
+                    it.use(r, choice.launch)
+                else:
+                    it.chosen[r] = choice.launch
             choices.append(choice)
     return choices
 
@@ -730,9 +1091,10 @@ def random_layer(fmt: Format, n: int, k: int, seed: int = 0) -> GEMVLinear:
 def gemv_sweep(shapes: Sequence[tuple[int, int]], formats: Sequence[Format], rows: Sequence[int] = (1, 4),
                model: str | None = None, reps: int = 5, min_bytes: int = 256 << 20, seed: int = 0) -> list[dict]:
     """Results records (experiment "gemv") per format, (n, k) shape and row count: GB/s and µs per GEMV of
-    MLX's built-in and of each candidate launch (over enough random copies of the matrix that they do
-    not fit in L2), our best launch's speedup and its largest difference from the built-in's output;
-    a launch that fails to compile gives a "compile_error" record with MLX's message instead."""
+    MLX's built-in and of each candidate launch, queued over enough random copies of the matrix that they
+    do not fit in L2 (time_calls), the host µs per call to build the graph, our best launch's speedup and
+    its largest difference from the built-in's output; a launch that fails to compile gives a
+    "compile_error" record with MLX's message instead."""
     records = []
     for fmt in formats:
         for n, k in shapes:
@@ -740,20 +1102,22 @@ def gemv_sweep(shapes: Sequence[tuple[int, int]], formats: Sequence[Format], row
             layers = [random_layer(fmt, n, k, seed + i) for i in range(copies)]
             for r in rows:
                 launches = candidates(fmt, n, k, r)
-                seconds, errors = time_variants(layers, r, launches, reps, min_bytes, seed)
+                seconds, host, errors = time_variants(layers, r, launches, reps, min_bytes, seed)
                 base = {"experiment": "gemv", "model": model, "weights": fmt.name, "kv": None, "context": None,
                         "samples": [], "peer": None, "shape": [n, k], "rows": r, "bytes": launches[0].bytes,
                         "copies": copies}
                 for label, s in seconds.items():
                     records += [{**base, "variant": label, "metric": "bandwidth", "unit": "GB/s",
                                  "value": launches[0].bytes / s / 1e9},
-                                {**base, "variant": label, "metric": "time_us", "unit": "us", "value": s * 1e6}]
+                                {**base, "variant": label, "metric": "time_us", "unit": "us", "value": s * 1e6},
+                                {**base, "variant": label, "metric": "host_us", "unit": "us", "value": host[label] * 1e6,
+                                 "note": "host time per call to build the graph (Python and MLX), before eval"}]
                 records += [{**base, "variant": label, "metric": "compile_error", "unit": None, "value": None,
                              "note": e[-2000:]} for label, e in errors.items()]
                 ours = {la.label: la for la in launches if la.label in seconds}
-                if ours:
+                if ours and BUILTIN in seconds:
                     best = min(ours, key=seconds.get)
-                    x = (mx.random.normal((r, k), key=mx.random.key(seed)) * 0.1).astype(DTYPES[fmt.dtype])
+                    x = _activation(fmt, r, k, seed)
                     ref = layers[0].builtin(x).astype(mx.float32)
                     diff = mx.abs(layers[0].kernel(x, ours[best]).astype(mx.float32) - ref).max().item()
                     records += [{**base, "variant": best, "metric": "speedup", "unit": "x",

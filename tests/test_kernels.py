@@ -1,13 +1,15 @@
 """The custom GEMV kernels (ref_impl/kernels.py).
 
 On any machine: the launch configuration (every row and input covered, bytes, occupancy), the layout
-and float tricks the CUDA source relies on, checked against mx.quantize/mx.dequantize, errors for bad
-shapes and formats, and the patched decoder's fallback to MLX's built-ins giving identical outputs.
+and float tricks the CUDA source relies on, checked against mx.quantize/mx.dequantize, the generated
+kernel bodies, errors for bad shapes and formats, the patched decoder's fallback to MLX's built-ins
+giving identical outputs, and its routing (GEMVs, fused gate/up, fused q/k/v) through stand-in kernels.
 On MLX's CUDA backend (skipped elsewhere): every kernel against a float64 oracle built from
 mx.dequantize of the same arrays, within a bound derived from float32 accumulation, on the
-Llama-3.1-8B shapes, 1 to 9 rows, odd sizes, zeros, large magnitudes and misaligned inputs; the
-built-in mx.quantized_matmul / matmul's own error is printed beside it; and the patched decoder's
-greedy tokens.
+Llama-3.1-8B shapes, 1 to 9 rows, the fused kernels, odd sizes, zeros and large magnitudes; the
+built-in mx.quantized_matmul / matmul's own error is printed beside it; the patched decoder's greedy
+tokens; and, last, misaligned inputs (MLX's built-ins fault on those, so the references use aligned
+copies; as a script that test runs in a child process, so a sticky CUDA error cannot hide the rest).
 
 The GPU machine may lack pytest, so this file also runs as a script: `python3 tests/test_kernels.py`
 runs every test, prints each case's errors, and ends with "N passed, N failed, N skipped".
@@ -19,6 +21,7 @@ import contextlib
 import inspect
 import math
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +36,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ref_impl import MODELS_DIR, kernels
-from ref_impl.bench import bench_kernels, args_for
+from ref_impl.bench import args_for, bench_kernels
 from ref_impl.generate import Sampler, generate_step
 from ref_impl.latency import TINY, random_model
 from ref_impl.model import load
@@ -46,7 +49,8 @@ except ImportError:   # the GPU machine runs this file as a script
 
 SHIPPED = MODELS_DIR / "stdlib-10m.gguf"
 SHAPES_8B = sorted({(n, k) for k, n in matmul_shapes(MODELS["Llama-3.1-8B"])})
-Q4 = kernels.Format(4, 32)
+QKV_8B, GATE_8B = (4096, 1024, 1024), (14336, 4096)
+Q4, F16 = kernels.Format(4, 32), kernels.Format(16)
 CUDA = kernels.on_cuda()
 
 
@@ -75,49 +79,72 @@ def raises(exc: type[Exception], match: str):
 # --- launch configuration ------------------------------------------------------------------------------
 
 def test_launch_covers_every_row_and_input():
-    for fmt in (Q4, kernels.Format(8, 64), kernels.Format(16)):
-        for n, k in [*SHAPES_8B, (1, 256), (33, 384), (1000, 1024)]:
-            for rows in (1, 4, 9):
-                for la in kernels.candidates(fmt, n, k, rows):
-                    assert (la.blocks - 1) * la.rows_per_block < n <= la.blocks * la.rows_per_block
-                    assert la.grid == (la.blocks * la.threads, 1, 1) and la.threadgroup == (la.threads, 1, 1)
-                    # each thread's 16-byte loads times the block's threads span every row's k inputs
-                    per_row, values = la.loads_per_thread // la.rows_per_block, 16 * 8 // fmt.bits
-                    assert per_row * la.threads * values >= k > (per_row - 1) * la.threads * values
-                    assert la.rows_per_block == 1 or la.rows_per_block * rows <= kernels.MAX_ACCUMULATORS
+    cases = [(f, n, k, "", ()) for f in (Q4, kernels.Format(8, 64), F16)
+             for n, k in [*SHAPES_8B, (1, 256), (33, 384), (1000, 1024)]]
+    cases += [(Q4, GATE_8B[0], 4096, "glu", ()), (F16, 33, 384, "glu", ()), (Q4, sum(QKV_8B), 4096, "qkv", QKV_8B),
+              (F16, 7 + 5 + 3, 256, "qkv", (7, 5, 3))]
+    for fmt, n, k, fuse, parts in cases:
+        for rows in (1, 4, 8):
+            for la in kernels.candidates(fmt, n, k, rows, fuse, parts):
+                r = la.rows_per_warp
+                for size in parts or (n,):   # each matrix's rows are covered by its own warps
+                    warps = -(-size // r)
+                    assert (warps - 1) * r < size <= warps * r
+                assert la.warps_total == sum(-(-s // r) for s in parts or (n,))
+                assert la.blocks * la.warps >= la.warps_total > (la.blocks - 1) * la.warps
+                assert la.grid == (la.blocks * la.threads, 1, 1) and la.threadgroup == (la.threads, 1, 1)
+                # a lane's chunks times 32 lanes span every row's k inputs
+                per_lane, values = la.chunks_per_lane, 16 * 8 // fmt.bits
+                assert per_lane * 32 * values >= k > (per_lane - 1) * 32 * values
+                assert la.weight_rows_per_warp * rows <= kernels.MAX_ACCUMULATORS
+                assert la.weight_rows_per_warp * la.unroll <= kernels.MAX_LOADS
 
 
-def test_default_rows_per_block():
-    # four blocks per SM on 132 SMs need >= 528 blocks: n = 1024 only reaches that with one row per block
-    rule = {(1024, 1): 1, (4096, 1): 4, (14336, 1): 4, (128256, 1): 4, (4096, 4): 4, (4096, 5): 2,
-            (4096, 8): 2, (4096, 9): 1, (2048, 1): 2, (100, 1): 1}
-    for (n, rows), r in rule.items():
-        assert kernels.launch_config(Q4, n, 4096, rows).rows_per_block == r, (n, rows)
+def test_default_launch():
+    # rows per warp: 2 when n / 2 still gives 8 warps per SM (n >= 2112) and 2 x rows <= 16; unroll: a lane's
+    # share of k in 16-byte loads, at most 4
+    rule = {(1024, 1): (1, 4), (4096, 1): (2, 4), (14336, 1): (2, 4), (128256, 1): (2, 4), (4096, 4): (2, 4),
+            (4096, 8): (2, 4), (4096, 9): (1, 4), (2048, 1): (1, 4), (100, 1): (1, 4)}
+    for (n, rows), (r, u) in rule.items():
+        la = kernels.launch_config(Q4, n, 4096, rows)
+        assert (la.rows_per_warp, la.unroll) == (r, u), (n, rows, la)
+    assert kernels.launch_config(Q4, 4096, 1024, 1).unroll == 1        # 32 chunks: one per lane
+    assert kernels.launch_config(F16, 4096, 1024, 1).unroll == 4       # 128 chunks
+    assert kernels.launch_config(kernels.Format(8, 32), 4096, 1024, 1).unroll == 2
+    glu = kernels.launch_config(Q4, 14336, 4096, 1, fuse="glu")
+    assert (glu.rows_per_warp, glu.weight_rows_per_warp) == (1, 2)      # 2 matrices x 4 loads = 8 in flight
+    assert kernels.candidates(Q4, 4096, 4096, 1)[0] == kernels.launch_config(Q4, 4096, 4096, 1)
+    assert len(kernels.candidates(Q4, 4096, 4096, 1)) == 4 and len(kernels.candidates(Q4, 4096, 4096, 4)) == 2
 
 
 def test_launch_bytes_are_the_arrays_bytes():
-    for fmt, n, k, rows in ((Q4, 96, 256, 1), (kernels.Format(4, 64, "bfloat16"), 7, 512, 3),
-                            (kernels.Format(8, 128), 5, 384, 9), (kernels.Format(16), 11, 64, 2)):
+    for fmt, n, k, rows, fuse in ((Q4, 96, 256, 1, ""), (kernels.Format(4, 64, "bfloat16"), 7, 512, 3, ""),
+                                  (kernels.Format(8, 128), 5, 384, 8, ""), (F16, 11, 64, 2, ""),
+                                  (Q4, 40, 256, 2, "glu"), (F16, 9, 64, 1, "glu")):
         dt = kernels.DTYPES[fmt.dtype]
         w = mx.zeros((n, k), dtype=dt)
         arrays = [w] if fmt.bits == 16 else list(mx.quantize(w, fmt.group_size, fmt.bits))
         x, y = mx.zeros((rows, k), dtype=dt), mx.zeros((rows, n), dtype=dt)
-        assert kernels.launch_config(fmt, n, k, rows).bytes == sum(a.nbytes for a in [*arrays, x, y])
+        mats = 2 if fuse else 1
+        assert kernels.launch_config(fmt, n, k, rows, fuse=fuse).bytes == mats * sum(a.nbytes for a in arrays) + (
+            x.nbytes + y.nbytes)
+    la = kernels.launch_config(Q4, sum(QKV_8B), 4096, 1, fuse="qkv", parts=QKV_8B)
+    assert la.bytes == Q4.weight_bytes(6144, 4096) + 2 * (4096 + 6144)
 
 
 def test_occupancy():
-    la = kernels.launch_config(Q4, 4096, 4096, 1, 128, 4)
+    la = kernels.launch_config(Q4, 4096, 4096, 1, 2, 4)
     full = kernels.occupancy(la, 32)            # 32 x 2048 = 65536 registers: the thread limit binds
     assert (full.blocks_per_sm, full.warps_per_sm, full.fraction) == (16, 64, 1.0)
-    half = kernels.occupancy(la, 64)            # 8192 registers a block
-    assert (half.blocks_per_sm, half.fraction) == (8, 0.5)
-    assert half.waves == 1024 / (8 * 132)
-    assert half.bytes_in_flight_per_sm == 8 * 128 * 16 * 4 * 1      # k = 4096: one 32-code chunk per thread
-    long = kernels.occupancy(kernels.launch_config(Q4, 4096, 14336, 1, 128, 4), 64)
-    assert long.bytes_in_flight_per_sm == 8 * 128 * 16 * 4 * 2      # 448 chunks: unroll 2 of them in flight
+    regs = kernels.occupancy(la, 96)            # 96 x 32 = 3072 a warp, 12288 a block: 5 blocks
+    assert (regs.blocks_per_sm, regs.warps_per_sm) == (5, 20)
+    assert regs.waves == 512 / (5 * 132)        # 2048 warps of 2 rows, 4 to a block
+    assert regs.bytes_in_flight_per_sm == 20 * 32 * 16 * 2 * 4      # 4 chunks per lane, all in flight
+    short = kernels.occupancy(kernels.launch_config(Q4, 4096, 1024, 1, 1, 4), 56)
+    assert short.bytes_in_flight_per_sm == short.warps_per_sm * 32 * 16 * 1 * 1   # k = 1024: one chunk a lane
     odd = kernels.occupancy(la, 100)            # 100 x 32 = 3200, allocated as 3328 per warp: 4 blocks
     assert odd.blocks_per_sm == 4
-    small = kernels.occupancy(kernels.launch_config(Q4, 4096, 4096, 1, 64, 4), 16)
+    small = kernels.occupancy(kernels.launch_config(Q4, 4096, 4096, 1, warps=1), 16)
     assert small.blocks_per_sm == 32            # the 32-blocks-per-SM limit binds
     with raises(ValueError, "registers"):
         kernels.occupancy(la, 300)
@@ -127,19 +154,31 @@ def test_bad_shapes_and_formats_are_named():
     with raises(ValueError, "group size"):
         kernels.launch_config(Q4, 64, 4100, 1)
     with raises(ValueError, "16 bytes"):
-        kernels.launch_config(kernels.Format(16), 64, 100, 1)
+        kernels.launch_config(F16, 64, 100, 1)
     with raises(ValueError, "rows=10"):
         kernels.launch_config(Q4, 64, 256, 10)
     with raises(ValueError, "rows=0"):
         kernels.launch_config(Q4, 64, 256, 0)
-    with raises(ValueError, "threads=96"):
-        kernels.launch_config(Q4, 64, 256, 1, threads=96)
-    with raises(ValueError, "rows_per_block=3"):
-        kernels.launch_config(Q4, 64, 256, 1, rows_per_block=3)
-    with raises(ValueError, "rows_per_block=4 with rows=5"):
-        kernels.launch_config(Q4, 64, 256, 5, rows_per_block=4)
+    with raises(ValueError, "warps=3"):
+        kernels.launch_config(Q4, 64, 256, 1, warps=3)
+    with raises(ValueError, "unroll=3"):
+        kernels.launch_config(Q4, 64, 256, 1, unroll=3)
+    with raises(ValueError, "rows_per_warp=3"):
+        kernels.launch_config(Q4, 64, 256, 1, rows_per_warp=3)
+    with raises(ValueError, "rows_per_warp=4 with rows=5"):
+        kernels.launch_config(Q4, 64, 256, 5, rows_per_warp=4)
+    with raises(ValueError, "rows_per_warp=1 with rows=9"):
+        kernels.launch_config(Q4, 64, 256, 9, fuse="glu")              # 2 matrices x 9 rows > 16 partial sums
+    with raises(ValueError, "loads in flight"):
+        kernels.launch_config(Q4, 64, 256, 1, rows_per_warp=4, unroll=8)
     with raises(ValueError, "positive"):
         kernels.launch_config(Q4, 0, 256, 1)
+    with raises(ValueError, "parts"):
+        kernels.launch_config(Q4, 64, 256, 1, fuse="qkv", parts=(32, 32))
+    with raises(ValueError, "parts"):
+        kernels.launch_config(Q4, 64, 256, 1, parts=(32, 16, 16))
+    with raises(ValueError, "fuse='mlp'"):
+        kernels.launch_config(Q4, 64, 256, 1, fuse="mlp")
     with raises(ValueError, "bits 3"):
         kernels.Format(3, 32)
     with raises(ValueError, "group size 16"):
@@ -172,6 +211,10 @@ def test_kernel_calls_check_inputs_then_need_cuda():
         kernels.affine_gemv(x, w, s, b, 32, 4, kernels.launch_config(Q4, 64, 256, 2))
     with raises(ValueError, "float16 matrix"):
         kernels.dense_gemv(x, mx.zeros((64, 256)))
+    with raises(ValueError, "takes 2 matrices"):
+        kernels.gemv(x, [(w, s, b)], Q4, "glu")
+    with raises(ValueError, "must agree"):
+        kernels.gemv(x, [(w, s, b), (w[:32], s[:32], b[:32])], Q4, "glu")
     if not CUDA:
         with raises(RuntimeError, "CUDA backend"):
             kernels.affine_gemv(x, w, s, b, 32, 4)
@@ -190,14 +233,19 @@ def unpack_codes(w: np.ndarray, bits: int) -> np.ndarray:
 
 
 def test_layout_matches_mx_dequantize():
+    # mx.dequantize may round scale*q+bias once (an FMA) where this rounds twice: equal within 2 roundings
     rng = np.random.default_rng(0)
     for bits in (4, 8):
         for group in kernels.GROUP_SIZES:
             w, s, b = mx.quantize(mx.array(rng.standard_normal((6, 512)).astype(np.float32)), group, bits)
             q = unpack_codes(np.array(w), bits).astype(np.float32)
             g = np.repeat(np.arange(512 // group), group)                 # the group of each input
-            ours = np.array(s)[:, g] * q + np.array(b)[:, g]
-            np.testing.assert_array_equal(ours, np.array(mx.dequantize(w, s, b, group, bits)))
+            sq, bias = np.array(s)[:, g] * q, np.array(b)[:, g]
+            ours, theirs = sq + bias, np.array(mx.dequantize(w, s, b, group, bits))
+            tol = 2.0 ** -23 * (np.abs(sq) + np.abs(bias))
+            assert (np.abs(ours - theirs) <= tol).all(), (bits, group, np.abs(ours - theirs).max())
+            # a wrong code order would be off by whole scales
+            assert not np.allclose(np.array(s)[:, g] * q[:, ::-1] + bias, theirs, atol=1e-3)
 
 
 def test_float_tricks_in_the_source_are_exact():
@@ -225,6 +273,22 @@ def test_float_tricks_in_the_source_are_exact():
         built = src_bytes[:, sel].copy().view(np.uint32).ravel().view(np.float32)
         byte = (words >> np.uint32(8 * e)) & 0xFF
         np.testing.assert_array_equal(built - np.float32(2 ** 23), byte.astype(np.float32))
+
+
+def test_kernel_bodies_name_their_inputs():
+    for dense in (False, True):
+        for fuse in kernels.FUSES:
+            body, names = kernels._body(dense, fuse), kernels.input_names(dense, fuse)
+            mats = {"": 1, "glu": 2, "qkv": 3}[fuse]
+            assert names == ["x"] + [f"{a}{i}" for i in range(mats) for a in (("w",) if dense else ("w", "s", "b"))]
+            for name in names[1:]:
+                assert re.search(rf"\b{name}\b", body), (dense, fuse, name)
+            # MLX adds w0_shape (and w1_shape, w2_shape for qkv) to the signature because the body names them
+            assert "w0_shape" in body and ("w2_shape" in body) == (fuse == "qkv") and "x_shape" not in body
+            for y in ("y0", "y1", "y2")[:3 if fuse == "qkv" else 1]:
+                assert re.search(rf"\b{y}\b", body)
+    small = kernels._minified(kernels._HEADER)
+    assert "//" not in small and len(small) < 0.8 * len(kernels._HEADER) and "ld.global.nc" in small
 
 
 # --- in the decoder, any backend ------------------------------------------------------------------------
@@ -256,13 +320,77 @@ def test_patched_model_falls_back_on_cpu_with_identical_outputs():
     before = model(tokens)
     ids = greedy(model, [3, 17, 42], 6)
     names = [k for k, _ in nn.utils.tree_flatten(model.parameters())]
-    assert kernels.patch(model, rows=range(1, 10)) == []                    # nothing chosen off CUDA
+    assert kernels.patch(model, rows=range(1, 10), fuse=True) == []          # nothing chosen off CUDA
     assert [k for k, _ in nn.utils.tree_flatten(model.parameters())] == names
     assert sum(isinstance(m, kernels.GEMVLinear) for m in model.modules()) == 7 * model.args.num_hidden_layers
+    assert sum(isinstance(m, kernels.GatedMLP) for m in model.modules()) == model.args.num_hidden_layers
     assert mx.array_equal(model(tokens), before).item()
     assert greedy(model, [3, 17, 42], 6) == ids
     with raises(ValueError, "each must be 1 to 9"):
         kernels.patch(model, rows=(0,))
+
+
+class StandIn:
+    """kernels._runner for the CPU: each launch computed with MLX's built-ins, calls counted per fuse."""
+
+    def __init__(self):
+        self.calls = {"": 0, "glu": 0, "qkv": 0}
+
+    def __call__(self, launch: kernels.Launch):
+        fmt = launch.fmt
+
+        def one(x, arrays):
+            if fmt.bits == 16:
+                return x @ arrays[0].T
+            return mx.quantized_matmul(x, *arrays, transpose=True, group_size=fmt.group_size, bits=fmt.bits)
+
+        def run(x, *arrays):
+            self.calls[launch.fuse] += 1
+            per = 1 if fmt.bits == 16 else 3
+            outs = [one(x, arrays[i:i + per]) for i in range(0, len(arrays), per)]
+            return [nn.silu(outs[0]) * outs[1]] if launch.fuse == "glu" else outs
+        return run
+
+
+def test_routing_through_stand_in_kernels():
+    """patch's calls go where its choices say: one fused q/k/v and one fused gate/up call per layer and row
+    count chosen, the other GEMVs through their own runs, everything else MLX's; enable switches them."""
+    stand_in = StandIn()
+    saved = kernels._runner, kernels.on_cuda
+    kernels._runner, kernels.on_cuda = stand_in, (lambda: True)
+    try:
+        ref, _ = load(SHIPPED, mx.float16)
+        model, _ = load(SHIPPED, mx.float16)
+        choices = kernels.patch(model, rows=(1, 4), measure=False, fuse=True)
+        layers = model.args.num_hidden_layers
+        assert {(c.fuse, c.rows) for c in choices} == {(f, r) for f in kernels.FUSES for r in (1, 4)}
+        assert all(c.launch is not None for c in choices)
+        cache_a, cache_b = ref.make_cache(16), model.make_cache(16)
+        prompt = mx.array([[3, 17, 42, 5, 96, 11, 64, 23]])                 # 8 rows: no choice, MLX's built-ins
+        assert mx.allclose(ref(prompt, cache_a), model(prompt, cache_b), atol=1e-2).item()
+        assert stand_in.calls == {"": 0, "glu": 0, "qkv": 0}
+        a, b = ref(mx.array([[7]]), cache_a), model(mx.array([[7]]), cache_b)
+        assert mx.allclose(a, b, atol=1e-2).item()
+        # per layer: q/k/v fused once, gate/up fused once, o and down alone; the tied LM head stays MLX's
+        assert stand_in.calls == {"": 2 * layers, "glu": layers, "qkv": layers}
+        model(mx.array([[1, 2, 3, 4]]), cache_b)                            # 4 rows: chosen too
+        assert stand_in.calls == {"": 4 * layers, "glu": 2 * layers, "qkv": 2 * layers}
+        kernels.enable(model, gemv=True, fused=False)
+        model(mx.array([[5]]), cache_b)
+        assert stand_in.calls == {"": 4 * layers + 7 * layers, "glu": 2 * layers, "qkv": 2 * layers}
+        kernels.enable(model, gemv=False, fused=False)
+        model(mx.array([[6]]), cache_b)
+        assert stand_in.calls["qkv"] == 2 * layers and stand_in.calls[""] == 11 * layers
+        # a k projection called on another array than its q's computes its own result
+        kernels.enable(model, gemv=True, fused=True)
+        attn = model.layers[0].self_attn
+        x, x2 = mx.ones((1, 1, 384), mx.float16), mx.full((1, 1, 384), 2.0, mx.float16)
+        q = attn.q_proj(x)
+        assert mx.array_equal(attn.k_proj(x), ref.layers[0].self_attn.k_proj(x)).item()
+        assert mx.array_equal(attn.k_proj(x2), ref.layers[0].self_attn.k_proj(x2)).item()
+        assert mx.array_equal(q, ref.layers[0].self_attn.q_proj(x)).item()
+    finally:
+        kernels._runner, kernels.on_cuda = saved
 
 
 def test_count_kernels_grows_linearly_with_layers():
@@ -282,15 +410,17 @@ def test_bench_kernels_off_cuda_is_one_skipped_record(tmp_path):
 
 # --- on the GPU: every kernel against a float64 oracle ---------------------------------------------------
 
-def bound(la: kernels.Launch, mag: np.ndarray, ref: np.ndarray) -> np.ndarray:
-    """Largest error float32 accumulation in the kernels' order allows (to first order): each product passes
-    through at most `chain` roundings of 2^-24 (a chunk's FMAs, scale and bias, the thread's chunks, 5
-    shuffles, the warps, and one for the oracle's float32 weights), relative to sum |terms| (mag); then y
-    rounds once to float16/bfloat16, by at most half an ulp of the computed value."""
-    per_thread = -(-la.k // la.fmt.values_per_load // la.threads)
-    within = la.fmt.values_per_load + 2 + per_thread if la.fmt.bits != 16 else 8 * per_thread
-    chain = within + 5 + la.threads // 32 + 1
-    accumulated = chain * 2.0 ** -24 * mag
+def chain(la: kernels.Launch) -> int:
+    """Roundings a product passes through in the kernels' order (to first order): a chunk's FMAs, scale and
+    bias, the lane's chunks, 5 shuffles, and one for the oracle's float32 weights."""
+    within = la.fmt.values_per_load + 2 + la.chunks_per_lane if la.fmt.bits != 16 else 8 * la.chunks_per_lane
+    return within + 5 + 1
+
+
+def bound(la: kernels.Launch, mag: np.ndarray, ref: np.ndarray, extra: np.ndarray | float = 0.0) -> np.ndarray:
+    """Largest error the kernel may make: float32 accumulation relative to sum |terms| (mag), plus `extra`
+    (the fused epilogue's), then y rounds once to float16/bfloat16, by at most half an ulp."""
+    accumulated = chain(la) * 2.0 ** -24 * mag + extra
     unit = 2.0 ** -11 if la.fmt.dtype == "float16" else 2.0 ** -8             # half an ulp, relative
     return accumulated + unit * (np.abs(ref) + accumulated) + 2.0 ** -25      # 2^-25: half float16's least subnormal
 
@@ -331,45 +461,78 @@ def builtin(fmt: kernels.Format, x: mx.array, weights: tuple) -> mx.array:
     return mx.quantized_matmul(x, q, s, b, transpose=True, group_size=fmt.group_size, bits=fmt.bits)
 
 
+def aligned_copy(a: mx.array) -> mx.array:
+    """A fresh (16-byte aligned) array with a's values: MLX's built-ins fault on misaligned views."""
+    out = mx.array(np.array(a.view(mx.uint16) if a.dtype in (mx.float16, mx.bfloat16) else a))
+    return out.view(a.dtype) if a.dtype in (mx.float16, mx.bfloat16) else out
+
+
+def as_f64(a: mx.array) -> np.ndarray:
+    return np.array(a.astype(mx.float32)).astype(np.float64)
+
+
 def check(fmt: kernels.Format, n: int, k: int, rows: int, launch: kernels.Launch | None = None, kind: str = "random",
-          x_offset: int = 0, w_offset: int = 0, seed: int = 0) -> None:
-    """One kernel call against the oracle, on sampled weight rows for the largest matrices; prints the case."""
+          x_offset: int = 0, w_offset: int = 0, seed: int = 0, fuse: str = "", parts: tuple[int, ...] = ()) -> None:
+    """One kernel call against the oracle, on sampled weight rows for the largest matrices; prints the case.
+    fuse "glu": gate and up of n rows each; "qkv": matrices of `parts` rows (n their sum)."""
     dt = kernels.DTYPES[fmt.dtype]
-    weights = random_weights(fmt, n, k, seed, 0.0 if kind == "zero weights" else 0.2 if kind == "large" else 0.05)
+    sizes = parts if fuse == "qkv" else (n, n) if fuse == "glu" else (n,)
+    scale = 0.0 if kind == "zero weights" else 0.2 if kind == "large" else 0.05
+    mats = [random_weights(fmt, size, k, seed + 7 * i, scale) for i, size in enumerate(sizes)]
     x = mx.random.normal((rows, k), key=mx.random.key(seed + 1))
     if kind == "zero x":
         x = x * 0
-    elif kind == "large":        # terms up to ~100 whose sum cancels, sized to keep y inside float16
-        x = mx.sign(x) * (50 + 50 * mx.abs(x)) * math.sqrt(4096 / k)
+    elif kind == "large":        # terms up to ~100 whose sum cancels, sized to keep y (glu: gate x up) in float16
+        x = mx.sign(x) * (50 + 50 * mx.abs(x)) * math.sqrt(4096 / k) * (0.05 if fuse == "glu" else 1)
     x = x.astype(dt)
+    mx.eval(x, *[a for m in mats for a in m])
+    refs = [m for m in mats]                      # aligned arrays for the oracle and the built-in
+    x_ref = x
     if x_offset:                 # a flat view starting x_offset elements in: misaligned for 16-byte loads
         x = mx.concatenate([mx.zeros((x_offset,), dtype=dt), x.reshape(-1)])[x_offset:].reshape(rows, k)
     if w_offset:
-        w0 = weights[0]
-        flat = mx.concatenate([mx.zeros((w_offset,), dtype=w0.dtype), w0.reshape(-1)])
-        weights = (flat[w_offset:].reshape(w0.shape), *weights[1:])
-    mx.eval(x, *weights)
-    la = launch or kernels.launch_config(fmt, n, k, rows)
+        views = []
+        for m in mats:
+            flat = mx.concatenate([mx.zeros((w_offset,), dtype=m[0].dtype), m[0].reshape(-1)])
+            views.append((flat[w_offset:].reshape(m[0].shape), *m[1:]))
+        mats = views
+    mx.eval(x, *[a for m in mats for a in m])
+    la = launch or kernels.launch_config(fmt, sum(sizes) if fuse == "qkv" else n, k, rows, fuse=fuse, parts=parts)
     t0 = time.perf_counter()
-    y = kernels.dense_gemv(x, weights[0], la) if fmt.bits == 16 else kernels.affine_gemv(
-        x, *weights, fmt.group_size, fmt.bits, la)
-    mx.eval(y)
+    ys = kernels.gemv(x, mats, fmt, fuse, la)
+    mx.eval(ys)
     first_ms = (time.perf_counter() - t0) * 1e3
-    sample = np.arange(n)
-    if n > 16384:               # the LM head: its first and last rows (partial blocks) and a random sample
-        sample = np.unique(np.r_[0:4096, n - 4096:n, np.random.default_rng(seed).integers(0, n, 4096)])
-    ref, mag = oracle(fmt, x, weights, sample)
-    got = np.array(y.astype(mx.float32)).astype(np.float64)[:, sample]
-    theirs = np.array(builtin(fmt, x, weights).astype(mx.float32)).astype(np.float64)[:, sample]
-    tol = bound(la, mag, ref)
-    ratio, their_ratio = float((np.abs(got - ref) / tol).max()), float((np.abs(theirs - ref) / tol).max())
-    print(f"  {fmt.name:10} ({n:6}, {k:5}) rows {rows} {la.label:32} {kind:12} off ({x_offset},{w_offset}): "
-          f"max err {np.abs(got - ref).max():.3g} = {ratio:.3f} of the bound; built-in {their_ratio:.3f}; "
-          f"|ours - built-in| {np.abs(got - theirs).max():.3g}; first call {first_ms:.0f} ms", flush=True)
-    assert np.isfinite(got).all(), f"{fmt.name} {(n, k)} rows {rows} {kind}: non-finite output"
-    if kind in ("zero x", "zero weights"):
-        assert not got.any(), f"{fmt.name} {(n, k)} rows {rows} {kind}: output not exactly zero"
-    assert ratio <= 1, f"{fmt.name} {(n, k)} rows {rows} {la.label} {kind}: error {ratio:.3f} x the float32 bound"
+    if x_offset or w_offset:     # references from aligned copies (ours ran on the views)
+        x_ref, refs = aligned_copy(x_ref), [tuple(aligned_copy(a) for a in m) for m in refs]
+    outs = []                    # (what, got, ref, tol, the built-in's result or None)
+    for i, (y, m) in enumerate(zip(ys, refs if fuse != "glu" else refs[:1])):
+        size = sizes[i]
+        sample = np.arange(size)
+        if size > 16384:         # the LM head: its first and last rows (partial warps) and a random sample
+            sample = np.unique(np.r_[0:4096, size - 4096:size, np.random.default_rng(seed).integers(0, size, 4096)])
+        got = as_f64(y)[:, sample]
+        if fuse == "glu":        # silu(g) u: first-order error from g and u, plus the float32 epilogue
+            (g, mag_g), (u, mag_u) = oracle(fmt, x_ref, refs[0], sample), oracle(fmt, x_ref, refs[1], sample)
+            sig = 0.5 * (1 + np.tanh(g / 2))
+            ref = g * sig * u
+            dg, du = chain(la) * 2.0 ** -24 * mag_g, chain(la) * 2.0 ** -24 * mag_u
+            tol = bound(la, 0, ref, 1.1 * np.abs(u) * dg + np.abs(g * sig) * du + 2.0 ** -20 * np.abs(ref))
+            theirs = as_f64(nn.silu(builtin(fmt, x_ref, refs[0])) * builtin(fmt, x_ref, refs[1]))[:, sample]
+        else:
+            ref, mag = oracle(fmt, x_ref, m, sample)
+            tol = bound(la, mag, ref)
+            theirs = as_f64(builtin(fmt, x_ref, m))[:, sample]
+        outs.append((f"y{i}", got, ref, tol, theirs))
+    for what, got, ref, tol, theirs in outs:
+        ratio, their_ratio = float((np.abs(got - ref) / tol).max()), float((np.abs(theirs - ref) / tol).max())
+        print(f"  {fmt.name:10} {fuse or '-':3} {what} ({got.shape[1]:6}, {k:5}) rows {rows} {la.label:42} {kind:12} "
+              f"off ({x_offset},{w_offset}): max err {np.abs(got - ref).max():.3g} = {ratio:.3f} of the bound; "
+              f"built-in {their_ratio:.3f}; |ours - built-in| {np.abs(got - theirs).max():.3g}; "
+              f"first call {first_ms:.0f} ms", flush=True)
+        assert np.isfinite(got).all(), f"{fmt.name} {(n, k)} rows {rows} {kind}: non-finite output"
+        if kind in ("zero x", "zero weights"):
+            assert not got.any(), f"{fmt.name} {(n, k)} rows {rows} {kind}: output not exactly zero"
+        assert ratio <= 1, f"{fmt.name} {(n, k)} rows {rows} {la.label} {kind}: error {ratio:.3f} x the float32 bound"
 
 
 @cuda_only
@@ -377,7 +540,7 @@ def test_affine_4bit_on_8b_shapes():
     for n, k in SHAPES_8B:
         for rows in (1, 4):
             check(Q4, n, k, rows)
-        check(kernels.Format(4, 64), n, k, 1)
+    check(kernels.Format(4, 64), 4096, 4096, 1)
     check(kernels.Format(4, 32, "bfloat16"), 4096, 4096, 1)
 
 
@@ -385,24 +548,38 @@ def test_affine_4bit_on_8b_shapes():
 def test_dense_on_8b_shapes():
     for n, k in SHAPES_8B:
         for rows in (1, 4):
-            check(kernels.Format(16), n, k, rows)
+            check(F16, n, k, rows)
     check(kernels.Format(16, 0, "bfloat16"), 4096, 4096, 1)
+
+
+@cuda_only
+def test_fused_gate_up_and_qkv():
+    for fmt in (Q4, F16):
+        for rows in (1, 4):
+            check(fmt, GATE_8B[0], GATE_8B[1], rows, fuse="glu")
+            check(fmt, sum(QKV_8B), 4096, rows, fuse="qkv", parts=QKV_8B)
+        # odd sizes with the same kernels: a partial last warp in each matrix
+        check(fmt, 33, 4096, 1, kernels.launch_config(fmt, 33, 4096, 1, fuse="glu"), fuse="glu")
+        check(fmt, 7 + 5 + 3, 4096, 1, kernels.launch_config(fmt, 15, 4096, 1, 2, 4, fuse="qkv", parts=(7, 5, 3)),
+              fuse="qkv", parts=(7, 5, 3))
+        check(fmt, 4096, 4096, 1, kind="large", fuse="glu")
+        check(fmt, 4096, 4096, 1, kind="zero x", fuse="glu")
 
 
 @cuda_only
 def test_every_row_count_and_format():
     for rows in range(1, kernels.MAX_ROWS + 1):
-        for fmt in (Q4, kernels.Format(16)):
-            check(fmt, 1000, 4096, rows)
-    for rows in (1, 5, 9):
+        check(Q4, 1000, 4096, rows)
+    check(F16, 1000, 4096, 9)
+    for rows in (1, 9):
         check(kernels.Format(8, 32), 1000, 4096, rows)
     for fmt in (kernels.Format(4, 128), kernels.Format(8, 64, "bfloat16")):
-        check(fmt, 1000, 2048, 3)
+        check(fmt, 1000, 4096, 3)
 
 
 @cuda_only
 def test_every_candidate_launch():
-    for fmt in (Q4, kernels.Format(16)):
+    for fmt in (Q4, F16):
         for rows in (1, 4):
             for la in kernels.candidates(fmt, 4096, 4096, rows):
                 check(fmt, 4096, 4096, rows, la)
@@ -410,15 +587,15 @@ def test_every_candidate_launch():
 
 @cuda_only
 def test_adversarial_inputs():
-    for fmt in (Q4, kernels.Format(8, 32), kernels.Format(16)):
+    for fmt in (Q4, kernels.Format(8, 32), F16):
         for kind in ("zero x", "zero weights", "large"):
             check(fmt, 4096, 4096, 1, kind=kind)
         check(fmt, 1000, 4096, 4, kind="large")
-        for n, k in ((1, 128), (3, 256), (33, 384), (4097, 1024)):      # odd sizes: a partial last block
-            check(fmt, n, k, 2)
-        check(fmt, 1000, 4096, 1, x_offset=1)                              # misaligned x: the 2-byte path
-        check(fmt, 1000, 4096, 3, w_offset=1)                              # misaligned w
-    check(kernels.Format(16), 300, 104, 1)                                 # k a multiple of 8, not of 32
+        # odd sizes, with the kernels compiled above (unroll 4 beyond a short k: the guarded loads)
+        for n, k in ((1, 128), (3, 256), (33, 384), (1000, 1024)):
+            check(fmt, n, k, 1, kernels.launch_config(fmt, n, k, 1, 1, 4))
+        check(fmt, 4097, 1024, 1, kernels.launch_config(fmt, 4097, 1024, 1, 2, 4))   # a partial last warp
+    check(F16, 300, 104, 1, kernels.launch_config(F16, 300, 104, 1, 1, 4))           # k a multiple of 8, not of 32
 
 
 def near_tie_or_equal(ref: mx.array, got: mx.array) -> bool:
@@ -432,17 +609,28 @@ def near_tie_or_equal(ref: mx.array, got: mx.array) -> bool:
 
 @cuda_only
 def test_patched_decoder_keeps_greedy_tokens():
+    """Float16 measured for one row (every candidate timed, fused kernels included), 4-bit with the default
+    launches for 1 and 4 rows, fused, and 8-bit for one row: greedy tokens and teacher-forced logits agree
+    with the built-ins' but for near ties."""
     prompt = [3, 17, 42, 5, 96, 11, 64, 23]
-    for quant in (None, (32, 4), (64, 8)):
+    for quant, measure, fuse, rows in ((None, True, True, (1,)), ((32, 4), False, True, (1, 4)),
+                                       ((64, 8), False, False, (1,))):
         ref, _ = load(SHIPPED, mx.float16)
         model, _ = load(SHIPPED, mx.float16)
         for m in (ref, model):
             if quant:
                 nn.quantize(m, group_size=quant[0], bits=quant[1])
-        choices = kernels.patch(model, rows=range(1, kernels.MAX_ROWS + 1), measure=False)
-        assert choices and all(c.launch is not None for c in choices)
+        choices = kernels.patch(model, rows=rows, measure=measure, fuse=fuse)
+        assert choices and all(not c.errors for c in choices), [c.errors for c in choices if c.errors]
+        for c in choices if measure else ():
+            chosen = c.launch.label if c.launch else kernels.UNFUSED if c.fuse else kernels.BUILTIN
+            print(f"  {c.fmt.name} {c.fuse or 'gemv'} {(c.n, c.k)} rows {c.rows}: {chosen}; "
+                  + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in c.seconds.items()), flush=True)
+            assert c.seconds[chosen] == min(c.seconds.values())
+        if not measure:          # the defaults: every shape and fused group runs our kernels
+            assert all(c.launch is not None for c in choices)
         want, ids = greedy(ref, prompt, 24), greedy(model, prompt, 24)
-        print(f"  shipped model {quant or 'float16'}: greedy tokens equal: {want == ids}", flush=True)
+        print(f"  shipped model {quant or 'float16'} fuse={fuse}: greedy tokens equal: {want == ids}", flush=True)
         # teacher-forced on the reference's tokens, one row at a time, then 4 rows (speculative verification)
         caches = ref.make_cache(64), model.make_cache(64)
         a, b = ref(mx.array([prompt]), caches[0]), model(mx.array([prompt]), caches[1])
@@ -454,30 +642,38 @@ def test_patched_decoder_keeps_greedy_tokens():
             assert near_tie_or_equal(a[0, i], b[0, i]), f"{quant}: 4-row verification differs beyond a near tie"
 
 
+# Last: a fault here is sticky for the whole process (as a script it runs in a child process).
 @cuda_only
-def test_patch_measures_and_picks_the_fastest():
-    model, _ = load(SHIPPED, mx.float16)
-    choices = kernels.patch(model, rows=(1, 4))
-    for c in choices:
-        print(f"  {c.fmt.name} {(c.n, c.k)} rows {c.rows}: {c.launch.label if c.launch else 'built-in'}; "
-              + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in c.seconds.items()), flush=True)
-        assert not c.errors, c.errors
-        chosen = c.launch.label if c.launch else kernels.BUILTIN
-        assert c.seconds[chosen] == min(c.seconds.values())
+def test_misaligned_inputs():
+    for fmt in (Q4, kernels.Format(8, 32), F16):
+        check(fmt, 1000, 4096, 1, x_offset=1)                              # misaligned x: the 2-byte path
+        check(fmt, 1000, 4096, 1, w_offset=1)                              # misaligned w
+    check(Q4, 1000, 4096, 1, x_offset=3, fuse="glu")
+    check(F16, 15, 4096, 1, w_offset=1, fuse="qkv", parts=(7, 5, 3))
+
+
+test_misaligned_inputs.isolated = True
 
 
 # --- as a script -----------------------------------------------------------------------------------------
 
-def main() -> int:
-    """Run every test here (CUDA tests only on CUDA), print failures, end with the summary line."""
+def main(only: str | None = None) -> int:
+    """Run every test here (CUDA tests only on CUDA), isolated ones in a child process; print failures; end
+    with the summary line. only: run that one test in this process."""
     print(f"MLX {mx.__version__}, device {mx.default_device()}, CUDA backend: {CUDA}", flush=True)
     counts = {"passed": 0, "failed": 0, "skipped": 0}
     for name, test in [(n, f) for n, f in globals().items() if n.startswith("test_") and callable(f)]:
-        if getattr(test, "needs_cuda", CUDA) != CUDA:
-            counts["skipped"] += 1
+        if (only and name != only) or getattr(test, "needs_cuda", CUDA) != CUDA:
+            counts["skipped"] += not only
             continue
         print(f"{name} ...", flush=True)
         t0 = time.perf_counter()
+        if getattr(test, "isolated", False) and not only:
+            rc = subprocess.run([sys.executable, __file__, "--only", name]).returncode
+            counts["passed" if rc == 0 else "failed"] += 1
+            print(f"{name} {'passed' if rc == 0 else f'FAILED (child exit {rc})'} in {time.perf_counter() - t0:.1f} s",
+                  flush=True)
+            continue
         try:
             with tempfile.TemporaryDirectory() as d:
                 test(*([Path(d)] if "tmp_path" in inspect.signature(test).parameters else []))
@@ -491,4 +687,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[2] if sys.argv[1:2] == ["--only"] else None))
