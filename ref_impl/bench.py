@@ -593,15 +593,17 @@ def bench_kernels(shape: str, args: ModelArgs, weight_types: Sequence[str], work
                          "samples": tps[1]},
                         {**base, "variant": variant, "metric": "bandwidth_fraction", "unit": "fraction",
                          "value": step_bytes * tps[0] / 1e9 / bw["copy"], "samples": []},
-                        {**base, "variant": variant, "metric": "kernels_per_token", "unit": "kernels", "value": n_kernels,
-                         "samples": [], "note": "compute primitives in one decode step's graph, views excluded"},
+                        {**base, "variant": variant, "metric": "kernels_per_token", "unit": "kernels",
+                         "value": n_kernels, "samples": [],
+                         "note": "compute primitives in one decode step's graph, views excluded"},
                         {**base, "variant": variant, "metric": "overhead_us_per_kernel", "unit": "us",
                          "value": overhead * 1e6, "samples": [],
                          "note": "(token time - bytes_per_token / copy bandwidth) / kernels_per_token"}]
             host = _host_split(model, prompt)
             chain = _matrix_chain(model)
             parts = {"decode": 1e3 / tps[0], "host_build": host["build"] * 1e3, "host_submit": host["submit"] * 1e3,
-                     "step_wait": host["wait"] * 1e3, "step_sync": sum(host.values()) * 1e3, "matrix_chain": chain * 1e3}
+                     "step_wait": host["wait"] * 1e3, "step_sync": sum(host.values()) * 1e3,
+                     "matrix_chain": chain * 1e3}
             records += [{**part, "variant": variant, "part": k, "value": v} for k, v in parts.items()]
             say(f"decode {wt} {variant}: {tps[0]:.1f} tok/s = {parts['decode']:.2f} ms, {n_kernels} kernels/token, "
                 f"{overhead * 1e6:.2f} us/kernel beyond the bytes; one step, GPU idle: build {parts['host_build']:.2f} "

@@ -1043,7 +1043,8 @@ def _choose_fused(items: Sequence[GatedMLP | _QKV], fuse: str, rows: Sequence[in
             if measure and launches:
                 x = _activation(fmt, r, k)
                 calls = {UNFUSED: [it.hidden if fuse == "glu" else it.unfused for it in its]}
-                calls.update({la.label: [(it.bind if fuse == "glu" else it.fused)(la) for it in its] for la in launches})
+                make = (lambda it, la: it.bind(la)) if fuse == "glu" else (lambda it, la: it.fused(la))
+                calls.update({la.label: [make(it, la) for it in its] for la in launches})
                 nbytes = launches[0].bytes - 2 * r * (k + total)
                 choice.seconds, choice.host, choice.errors = time_calls(
                     calls, x, _passes(nbytes, len(its), min_bytes), reps)
@@ -1110,7 +1111,8 @@ def gemv_sweep(shapes: Sequence[tuple[int, int]], formats: Sequence[Format], row
                     records += [{**base, "variant": label, "metric": "bandwidth", "unit": "GB/s",
                                  "value": launches[0].bytes / s / 1e9},
                                 {**base, "variant": label, "metric": "time_us", "unit": "us", "value": s * 1e6},
-                                {**base, "variant": label, "metric": "host_us", "unit": "us", "value": host[label] * 1e6,
+                                {**base, "variant": label, "metric": "host_us", "unit": "us",
+                                 "value": host[label] * 1e6,
                                  "note": "host time per call to build the graph (Python and MLX), before eval"}]
                 records += [{**base, "variant": label, "metric": "compile_error", "unit": None, "value": None,
                              "note": e[-2000:]} for label, e in errors.items()]
