@@ -737,7 +737,19 @@ def _plain(module: nn.Module, name: str, value: object) -> None:
     object.__setattr__(module, name, value)
 
 
-class GEMVLinear(nn.Module):
+class _Routed:
+    """What GEMVLinear and GatedMLP share: per activation-row count, the launch chosen for it and the
+    prepared call (`bind`) that runs it."""
+
+    def use(self, rows: int, launch: Launch | None) -> None:
+        """Run calls of `rows` activation rows with `launch` (None: MLX's built-in), from now on."""
+        self._chosen[rows] = launch
+        self._runs.pop(rows, None)
+        if launch is not None:
+            self._runs[rows] = self.bind(launch)
+
+
+class GEMVLinear(_Routed, nn.Module):
     """An nn.Linear / affine nn.QuantizedLinear (same parameters, same names) whose calls with a row count
     it has a run for go to our kernel; every other call runs MLX's built-in, as the layer it replaces did."""
 
@@ -764,13 +776,6 @@ class GEMVLinear(nn.Module):
         """The kernel inputs of this matrix: (w,) or (w, scales, biases)."""
         return (self["weight"],) if self.fmt.bits == 16 else (self["weight"], self["scales"], self["biases"])
 
-    def use(self, rows: int, launch: Launch | None) -> None:
-        """Run calls of `rows` activation rows with `launch` (None: MLX's built-in), from now on."""
-        self._chosen[rows] = launch
-        self._runs.pop(rows, None)
-        if launch is not None:
-            self._runs[rows] = self.bind(launch)
-
     def bind(self, launch: Launch) -> Callable[[mx.array], mx.array]:
         """Our GEMV with this launch, as a one-argument function of x (no checks)."""
         run = _runner(launch)
@@ -795,7 +800,7 @@ class GEMVLinear(nn.Module):
         return y + self["bias"] if "bias" in self else y
 
 
-class GatedMLP(nn.Module):
+class GatedMLP(_Routed, nn.Module):
     """model.MLP (same children, same parameter names) whose gate and up projections run as one fused
     kernel, silu(x Wg^T) * (x Wu^T), for the row counts it has a run for; otherwise as model.MLP."""
 
@@ -804,12 +809,6 @@ class GatedMLP(nn.Module):
         self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         _plain(self, "_chosen", {})
         _plain(self, "_runs", {})
-
-    def use(self, rows: int, launch: Launch | None) -> None:
-        self._chosen[rows] = launch
-        self._runs.pop(rows, None)
-        if launch is not None:
-            self._runs[rows] = self.bind(launch)
 
     def bind(self, launch: Launch) -> Callable[[mx.array], mx.array]:
         run, g, u = _runner(launch), self.gate_proj, self.up_proj
