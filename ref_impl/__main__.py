@@ -145,7 +145,8 @@ def cmd_bench(a: argparse.Namespace) -> None:
             from .bench import bench_kernels
             shape = a.shape or "Llama-3.1-8B"
             records = bench_kernels(shape, args_for(shape), a.weights, Path(work), a.prompt_len, a.gen_tokens,
-                                    a.repeats, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+                                    a.repeats, llama_bench_binary=Path(a.llama_bench) if a.llama_bench else None,
+                                    progress=lambda msg: print(msg, file=sys.stderr, flush=True))
         elif a.shape:
             records = bench_shape(a.shape, args_for(a.shape), a.weights, Path(work), a.prompt_len, a.gen_tokens,
                                   a.repeats)
@@ -169,7 +170,7 @@ def cmd_bench(a: argparse.Namespace) -> None:
             print(f"  {r['variant']:<44} {r['metric']:<17} {value:>10} {r['unit']} {r.get('note', '')}")
     for r in records if a.kernels else []:
         if r["metric"] in ("speedup", "tokens_per_s", "kernels_per_token", "overhead_us_per_kernel", "greedy_agreement",
-                           "skipped"):
+                           "skipped", "peer_error"):
             value = "-" if r["value"] is None else f"{r['value']:.3f}"
             where = f"{tuple(r['shape'])} rows {r['rows']}" if "shape" in r else r["experiment"]
             print(f"  {r['weights'] or '':<7} {where:<26} {r['variant'] or '':<36} {r['metric']:<22} {value:>10} "
@@ -255,6 +256,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--kernels", action="store_true",
                    help="custom CUDA GEMV kernels vs MLX's built-ins: GB/s per matrix of --shape (default "
                         "Llama-3.1-8B), decode tok/s per --weights type with and without them; needs CUDA")
+    b.add_argument("--llama-bench", metavar="PATH",
+                   help="for --kernels: llama.cpp's llama-bench binary, run on the same GGUF files as the peer")
     b.add_argument("--unified", action="store_true",
                    help="numpy <-> MLX conversions (copy or share, time vs size) and first reads of fresh arrays")
     b.add_argument("--unified-max-bytes", type=int, default=256 << 20, help="largest array --unified times (bytes)")

@@ -346,20 +346,64 @@ def bandwidth_records(bw: dict[str, float]) -> list[dict]:
             for kind, v in bw.items()]
 
 
-def random_shape_model(shape: str, args: ModelArgs, weight_type: str, work_dir: Path, seed: int = 0
-                       ) -> tuple[Model, float]:
+def random_shape_model(shape: str, args: ModelArgs, weight_type: str, work_dir: Path, seed: int = 0,
+                       before_load: Callable[[Path], None] | None = None) -> tuple[Model, float]:
     """A random-weight model of args' shape as llama.cpp would type a `weight_type` file, written to a GGUF
     in work_dir and loaded with its quantized tensors kept quantized (transcode.load_model); and its
-    bits per weight. The file is deleted once loaded."""
+    bits per weight. before_load(path) runs on the file first (a peer on the same file); the file is deleted
+    once loaded."""
     from . import transcode
 
     path = transcode.write_random_model(work_dir / f"{shape}-{weight_type}.gguf", args, weight_type, seed)
-    with gguf.read(path) as f:
-        model = transcode.load_model(f, None)
-        weights = sum(int(np.prod(t.shape)) for t in f.tensors.values())
-        nbytes = sum(t.nbytes for t in f.tensors.values())
-    path.unlink()
+    try:
+        if before_load is not None:
+            before_load(path)
+        with gguf.read(path) as f:
+            model = transcode.load_model(f, None)
+            weights = sum(int(np.prod(t.shape)) for t in f.tensors.values())
+            nbytes = sum(t.nbytes for t in f.tensors.values())
+    finally:
+        path.unlink()
     return model, 8 * nbytes / weights
+
+
+def llama_bench(binary: Path, path: Path, prompt_len: int, gen_tokens: int, repeats: int, timeout_s: float = 600
+                ) -> dict:
+    """llama.cpp's own benchmark on the GGUF at path: every layer on the GPU, flash attention, gen_tokens
+    decoded after prompt_len tokens of context (-d), repeats runs; its JSON row (avg_ts, samples_ts, build_commit,
+    gpu_info, model_size, ...). Raises RuntimeError with llama-bench's own message when it fails."""
+    cmd = [str(binary), "-m", str(path), "-p", "0", "-n", str(gen_tokens), "-d", str(prompt_len), "-ngl", "99",
+           "-fa", "on", "-r", str(repeats), "-o", "json"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RuntimeError(f"llama-bench did not run: {e}") from e
+    if out.returncode != 0:
+        raise RuntimeError(f"llama-bench exited with {out.returncode}: {out.stderr.strip()[-1500:]}")
+    try:
+        rows = [r for r in json.loads(out.stdout) if r.get("n_gen") == gen_tokens]
+    except json.JSONDecodeError as e:
+        raise RuntimeError(f"llama-bench printed no JSON ({e}): {out.stdout[:300]!r}") from e
+    if not rows:
+        raise RuntimeError(f"llama-bench reported no decode of {gen_tokens} tokens: {out.stdout[:300]!r}")
+    return rows[0]
+
+
+def llama_bench_records(binary: Path, path: Path, base: dict, prompt_len: int, gen_tokens: int,
+                        repeats: int) -> list[dict]:
+    """Results records of llama_bench on path (tokens/s and the model's bytes), or one "peer_error" record
+    that keeps its message: a failing peer must not cost the rest of a GPU run."""
+    try:
+        row = llama_bench(binary, path, prompt_len, gen_tokens, repeats)
+    except RuntimeError as e:
+        return [{**base, "variant": "llama.cpp", "metric": "peer_error", "unit": None, "value": None, "samples": [],
+                 "peer": "llama.cpp (llama-bench)", "note": str(e)}]
+    peer = f"llama.cpp {row.get('build_commit', '?')} (llama-bench, {row.get('backends', '?')})"
+    note = f"{row.get('gpu_info', '')}; -d {prompt_len} -n {gen_tokens} -ngl 99 -fa on"
+    return [{**base, "variant": "llama.cpp", "metric": "tokens_per_s", "unit": "tok/s", "value": float(row["avg_ts"]),
+             "samples": [float(v) for v in row.get("samples_ts", [])], "peer": peer, "note": note},
+            {**base, "variant": "llama.cpp", "metric": "model_bytes", "unit": "B", "value": int(row["model_size"]),
+             "samples": [], "peer": peer, "note": "llama.cpp's model_size: the file's tensor bytes"}]
 
 
 def bench_shape(shape: str, args: ModelArgs, weight_types: Sequence[str], work_dir: Path, prompt_len: int = 128,
@@ -506,7 +550,7 @@ def _queued_ms(choices: list, variant: str) -> dict[str, float]:
 
 
 def bench_kernels(shape: str, args: ModelArgs, weight_types: Sequence[str], work_dir: Path, prompt_len: int = 128,
-                  gen_tokens: int = 128, repeats: int = 3, seed: int = 0,
+                  gen_tokens: int = 128, repeats: int = 3, seed: int = 0, llama_bench_binary: Path | None = None,
                   progress: Callable[[str], None] | None = None) -> list[dict]:
     """kernels.py's CUDA GEMVs against MLX's built-ins: GB/s per matrix shape of `shape` (4-bit groups of 32,
     float16; 1 and 4 rows; queued, with the host time to build each call), then decode of a random model of
@@ -514,8 +558,9 @@ def bench_kernels(shape: str, args: ModelArgs, weight_types: Sequence[str], work
     fused gate/up and q/k/v kernels ("kernels+fused"): tokens/s, share of bandwidth, kernels per token,
     greedy agreement, the patch's choices, and where a token's time goes ("decode-breakdown", ms per token:
     host build and submit of one step, the matrix work alone as a chain, the GEMVs queued per shape, the
-    step with every matrix replaced by a constant, and with attention too). Off MLX's CUDA backend: one
-    "skipped" record, at once."""
+    step with every matrix replaced by a constant, and with attention too). llama_bench_binary: llama.cpp's
+    llama-bench on the same GGUF file first (peer "llama.cpp"). Off MLX's CUDA backend: one "skipped"
+    record, at once."""
     from . import kernels
     from .roofline import matmul_shapes, shape_from_args
 
@@ -547,10 +592,19 @@ def bench_kernels(shape: str, args: ModelArgs, weight_types: Sequence[str], work
     say(f"[{time.perf_counter() - t_start:.0f} s] sweep done")
     prompt = np.random.default_rng(seed).integers(1, args.vocab_size, size=prompt_len).tolist()
     for wt in weight_types:
-        model, _ = random_shape_model(shape, args, wt, work_dir, seed)
+        base = {"experiment": "decode-kernels", "model": shape, "weights": wt, "kv": None,
+                "context": prompt_len + gen_tokens, "peer": None}
+        peer = []
+
+        def run_peer(path: Path) -> None:
+            peer.extend(llama_bench_records(llama_bench_binary, path, base, prompt_len, gen_tokens, repeats))
+            say(f"[{time.perf_counter() - t_start:.0f} s] llama-bench {wt}: " + ", ".join(
+                f"{r['metric']} {r['value']}" if r["value"] is not None else r["note"] for r in peer))
+
+        model, _ = random_shape_model(shape, args, wt, work_dir, seed, run_peer if llama_bench_binary else None)
+        records += peer
         step_bytes = decode_bytes(model, prompt_len + gen_tokens // 2)
-        base = {"experiment": "decode-kernels", "model": shape, "weights": wt,
-                "kv": str(model.norm.weight.dtype).split(".")[-1], "context": prompt_len + gen_tokens, "peer": None}
+        base["kv"] = str(model.norm.weight.dtype).split(".")[-1]
         part = {**base, "experiment": "decode-breakdown", "metric": "ms_per_token", "unit": "ms", "samples": []}
         say(f"[{time.perf_counter() - t_start:.0f} s] {wt} model loaded")
         # what the step costs without its matrices (and without attention too): measured once, MLX's modules

@@ -420,7 +420,8 @@ def write_random_model(path: str | Path, args: ModelArgs, file_type: str = "Q4_K
     would type a `file_type` file (quantize.tensor_types: "Q4_K_M" mixes Q4_K and Q6_K; "Q4_K",
     "Q8_0", "F16", ...), norms F32 -- for speed measurements, e.g. Llama-3.1-8B:
     ModelArgs(128256, 4096, 32, 14336, 32, 8, tie_word_embeddings=False) (4.9 GB in Q4_K_M).
-    Blocks are random bytes with valid scales: nothing is quantized, so 5 GB take seconds. Returns path."""
+    Blocks are random bytes with valid scales: nothing is quantized, so 5 GB take seconds. The file has no
+    tokenizer ("none"), so llama.cpp's llama-bench runs on the same file. Returns path."""
     rng = np.random.default_rng(seed)
     d, hd = args.hidden_size, args.head_dim
     shapes = {"token_embd.weight": (args.vocab_size, d), "output_norm.weight": (d,)}
@@ -448,5 +449,6 @@ def write_random_model(path: str | Path, args: ModelArgs, file_type: str = "Q4_K
             tensors[name] = _random_f16(*shape, rng)
         else:
             tensors[name] = gguf.TensorData(gguf.GGMLType[t], shape, random_blocks(t, *shape, rng))
-    gguf.write(path, args.gguf_metadata(), tensors)
+    # no tokenizer: llama.cpp then adds vocab_size dummy tokens, which is all llama-bench needs
+    gguf.write(path, {**args.gguf_metadata(), "tokenizer.ggml.model": "none"}, tensors)
     return Path(path)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
 
-from ref_impl import gguf
+from ref_impl import bench, gguf
 from ref_impl.bench import bench_decode, forward_sweep, write_results
 from ref_impl.model import load_model
 
@@ -113,3 +114,41 @@ def test_bench_link_records_host_copies_in_the_one_shape(tmp_path):
         assert "not measured" in skip["note"]
     doc = json.loads(write_results(records, tmp_path, "python -m ref_impl bench --link (test)", "test").read_text())
     assert doc["records"] == records
+
+
+def _fake_llama_bench(tmp_path, body: str) -> Path:
+    """An executable standing in for llama-bench: a shell script with the given body."""
+    exe = tmp_path / "llama-bench"
+    exe.write_text("#!/bin/sh\n" + body + "\n")
+    exe.chmod(0o755)
+    return exe
+
+
+def test_llama_bench_records_parse_its_json_and_pass_our_arguments(tmp_path):
+    # the fake prints its arguments to a file and one JSON row, as llama-bench -o json does
+    row = {"build_commit": "abc123", "backends": "CUDA", "gpu_info": "NVIDIA H200", "model_size": 4920000000,
+           "n_prompt": 0, "n_gen": 128, "n_depth": 128, "avg_ts": 281.5, "samples_ts": [280.0, 283.0]}
+    exe = _fake_llama_bench(tmp_path, f"echo \"$@\" > {tmp_path}/args\ncat <<'J'\n{json.dumps([row])}\nJ")
+    gguf_file = tmp_path / "m.gguf"
+    recs = bench.llama_bench_records(exe, gguf_file, {"experiment": "decode-kernels", "weights": "Q4_K_M"}, 128, 128, 3)
+    speed = next(r for r in recs if r["metric"] == "tokens_per_s")
+    assert speed["value"] == 281.5 and speed["samples"] == [280.0, 283.0]
+    assert "abc123" in speed["peer"] and speed["weights"] == "Q4_K_M"
+    assert next(r for r in recs if r["metric"] == "model_bytes")["value"] == 4920000000
+    args = (tmp_path / "args").read_text().split()
+    assert args[args.index("-m") + 1] == str(gguf_file)
+    assert [args[args.index(f) + 1] for f in ("-n", "-d", "-r", "-ngl")] == ["128", "128", "3", "99"]
+
+
+@pytest.mark.parametrize("body, message", [("echo 'failed to load model' >&2; exit 1", "failed to load model"),
+                                           ("echo not json", "no JSON"),
+                                           ("echo '[]'", "no decode of 128 tokens")])
+def test_a_failing_llama_bench_becomes_one_error_record(tmp_path, body, message):
+    exe = _fake_llama_bench(tmp_path, body)
+    recs = bench.llama_bench_records(exe, tmp_path / "m.gguf", {"weights": "F16"}, 128, 128, 3)
+    assert len(recs) == 1 and recs[0]["metric"] == "peer_error" and message in recs[0]["note"]
+
+
+def test_a_missing_llama_bench_binary_is_named(tmp_path):
+    recs = bench.llama_bench_records(tmp_path / "nope", tmp_path / "m.gguf", {}, 128, 128, 3)
+    assert recs[0]["metric"] == "peer_error" and "did not run" in recs[0]["note"]
