@@ -39,34 +39,23 @@ Other row counts, other backends (CPU; Metal, where MLX's quantized kernels are 
 embeddings keep MLX's built-ins; `enable` switches the choices on and off. A chosen call runs through a
 closure bound at patch time, with no argument checks and no nn.Module.__getattr__ lookups.
 
-Status (for the session that reads the second H200 log). First H200 run (MLX 0.32.4): every kernel was
-within the float32 bound of a float64 oracle. The old block-per-rows kernels beat the built-in on large
-4-bit matrices (LM head 218 µs against 359, queued) and lost on small ones with a floor of ~19 µs a call:
-that floor was our Python, not the GPU (the old GEMVLinear + affine_gemv path costs 17.4 µs a call on
-a CPU with the kernel stubbed out, the new one 2.8, nn.QuantizedLinear 2.1). The Q4_K decode (177.6
-tok/s, 5.6 ms) is MLX's 4-bit GEMV: its queued times per call times calls per token sum to 5.8 ms (it
-reads at 600-900 GB/s), so "7.2 µs/kernel beyond the bytes" only restated that. F16 (4.75 ms, at copy
-bandwidth) lost 0.7 ms with every choice the built-in, from ~3 µs of wrapper per call: so the host side
-of a step (Python graph building plus MLX encoding, ~580 kernels) seems close to 4.7 ms, a ceiling near
-210 tok/s whatever the GEMVs do (bench --dispatch saw ~7.6 µs a kernel on Llama-3.2-1B, host-bound;
-bench --kernels now measures it). Hence the fused
-kernels (glu: 5 kernels an MLP become 2; qkv: 3 become 1; ~160 fewer a token) and the lean calls. The
-"misaligned address" that broke the test run came from MLX's built-in quantized_matmul, called by the
-test on the misaligned x as its reference (its output was 1900x the bound, ours 0.6x); our kernels take
-misaligned pointers on their 2-byte path, and the test now gives the built-ins aligned copies.
-Written without a GPU again: the source compiles with nvcc 13.0 for sm_90a (ptxas: no spills; registers
-in `occupancy`) and ran in a CPU emulation of its warps (lanes as threads, shuffles at barriers) against
-the float64 oracle through the CUDA tests (fused, 1-9 rows, odd sizes, misaligned inputs, the greedy
-decoder). Read `python3 tests/test_kernels.py` and `python -m ref_impl bench --kernels` (GB/s per shape,
-decode native / kernels / kernels+fused, and its breakdown: host build and submit of a step, the
-matrices alone as a chain, GEMVs queued per shape, the step without matrices and without attention).
+What the H200 measured (results/h200-20261129-181307*, the chapter "Writing a GEMV kernel"): every kernel
+is within the float32 bound of a float64 oracle (the test log beside it). Against MLX 0.32.4's built-ins, our
+4-bit GEMV is ~1.4-2x faster on the 8B shapes at one row and 2-3x at four (MLX's multi-row 4-bit path is
+slow), and slower on the smallest matrix (1024 x 4096), where patch keeps the built-in; float16 is at par,
+both near the read bandwidth on the large matrices. The 4-bit kernels stop well short of that bandwidth (the
+chapter estimates their arithmetic per byte: enough to bound them). End to end, the fused kernels cut the decoder's
+matrix time by about half (Q4_K_M) and its kernels per token from ~580 to ~455, but a decode step then waits
+on the host: MLX's Python graph building and its per-primitive encoding take longer than the GPU's work, so
+tokens/s follows the host (and varies with the lent machine's CPU), while llama.cpp, which replays a captured
+CUDA graph per token (GGML_CUDA_GRAPHS, on by default in its CMakeLists.txt), does not. bench --kernels records the breakdown.
 
 References: MLX docs "Custom Metal Kernels" and mlx/backend/cuda/custom_kernel.cpp (grid in threads,
 generated signature `w0_shape`, template constants); MLX mlx/backend/metal/kernels/quantized.h `qdot`
 (scale and bias per group, sum of x); the magic-number int-to-float conversion, as used for 4-bit
 weights in FasterTransformer (Kim et al., "Who Says Elephants Can't Run", 2022); CUDA C++ Programming Guide, compute
 capability 9.0 limits (2048 threads, 32 blocks, 64K registers per SM); PTX ISA `ld` cache hints.
-See chapter: dispatch
+See chapter: dispatch-kernel
 """
 
 from __future__ import annotations
@@ -91,6 +80,11 @@ MAX_ACCUMULATORS = 16         # weight rows per warp x activation rows: partial 
 MAX_LOADS = 8                 # weight rows per warp x unroll: 16-byte loads a lane keeps in flight (registers)
 GROUP_SIZES = (32, 64, 128)
 H200_SMS = 132                # streaming multiprocessors of an H200 (and H100 SXM)
+H200_FP32_TFLOPS = 67.0        # FP32 (non-tensor) peak, NVIDIA H200 datasheet: 132 SMs x 128 lanes x FMA x 1.98 GHz
+# Registers per thread that ptxas -v reports for one activation row (CUDA 13.0, sm_90a, no spills), per
+# (bits, rows_per_warp, unroll): what `occupancy` takes. A compile-time fact of this source, not a timing.
+REGISTERS = {(4, 1, 4): 56, (4, 2, 2): 70, (4, 2, 4): 96, (4, 4, 2): 128,
+             (16, 1, 4): 40, (16, 2, 2): 40, (16, 2, 4): 56, (16, 4, 2): 64}
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
