@@ -33,14 +33,20 @@ from .quantize import FILE_TYPES, quantize_file
 def cmd_generate(a: argparse.Namespace) -> None:
     import mlx.core as mx
 
+    from . import kernels
     from .generate import Sampler, generate
     from .model import load
 
     sampler = Sampler(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed)  # checks before loading
     # MLX's quantized matmuls pay off on a GPU; on the CPU its float32 BLAS path is faster (see k-quants)
     quantized = a.weights == "native" or (a.weights == "auto" and mx.default_device() != mx.cpu)
+    if a.kernels == "on" and not kernels.on_cuda():
+        raise SystemExit(f"--kernels on: our GEMV kernels need MLX's CUDA backend; this is {mx.default_device()}")
     model, tokenizer = load(a.model, {"float32": mx.float32, "float16": mx.float16,
                                       "bfloat16": mx.bfloat16, None: None}[a.dtype], quantized)
+    if a.kernels != "off" and kernels.on_cuda():
+        # per matrix shape, the faster of our kernels and MLX's built-in, timed on the model's own weights
+        print(kernels.summary(kernels.patch(model, rows=(1,), fuse=True)), file=sys.stderr)
     sys.stdout.write(a.prompt)
     g = generate(model, tokenizer, a.prompt, a.max_tokens, sampler, pipeline=not a.sync,
                  on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()))
@@ -212,6 +218,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--weights", choices=["auto", "native", "float"], default="auto",
                    help="quantized tensors as MLX quantized matrices (native) or expanded to floats; "
                         "auto: native on a GPU, float on the CPU")
+    g.add_argument("--kernels", choices=["auto", "on", "off"], default="auto",
+                   help="our CUDA GEMV kernels (ref_impl/kernels.py) where a measurement at load finds them faster "
+                        "than MLX's built-ins; auto: on MLX's CUDA backend only; on: fail elsewhere")
     g.set_defaults(run=cmd_generate)
 
     i = sub.add_parser("inspect", help="print a GGUF file's metadata and tensor table")

@@ -1007,6 +1007,20 @@ def patch(model: nn.Module, rows: Sequence[int] = (1,), measure: bool = True, fu
     return choices
 
 
+def summary(choices: Sequence[Choice]) -> str:
+    """What patch chose, a line per (format, shape, rows, fusion): the launch or MLX's built-in, with the
+    timings that decided it; the first line counts the matrices and groups that run our kernels."""
+    ours = [c for c in choices if c.launch is not None]
+    lines = [f"kernels: ours for {sum(c.layers for c in ours)} of {sum(c.layers for c in choices)} matrices and "
+             f"fused groups ({len(ours)} of {len(choices)} shapes), MLX's built-in for the rest"]
+    for c in choices:
+        chosen = c.launch.label if c.launch else UNFUSED if c.fuse else BUILTIN
+        timed = ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in c.seconds.items())
+        lines.append(f"  {c.fmt.name} {c.fuse or 'gemv'} {c.n}x{c.k} rows {c.rows} (x{c.layers}): {chosen}"
+                     + (f" [{timed}]" if timed else ""))
+    return "\n".join(lines)
+
+
 def _fusable(mods: Sequence[object], same_n: bool) -> bool:
     """True when these GEMVLinears can run as one fused kernel: same format and inputs, no bias."""
     if not mods or not all(isinstance(m, GEMVLinear) and "bias" not in m for m in mods):

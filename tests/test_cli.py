@@ -64,6 +64,14 @@ def test_generate_greedy():
     assert "Traceback" not in r.stderr
 
 
+def test_generate_kernels_off_cuda():
+    # auto and off leave MLX's built-ins in place off CUDA (same tokens); on asks for what is not there
+    off, auto = generate("--max-tokens", "8", "--kernels", "off"), generate("--max-tokens", "8")
+    assert off.returncode == 0 and off.stdout == auto.stdout and "kernels:" not in auto.stderr
+    on = generate("--max-tokens", "8", "--kernels", "on")
+    assert on.returncode != 0 and "CUDA backend" in on.stderr and "Traceback" not in on.stderr
+
+
 def test_generate_sampled_is_deterministic_per_seed():
     sample = ("--max-tokens", "32", "--temp", "0.8", "--top-p", "0.9", "--seed")
     first, again = generate(*sample, "1"), generate(*sample, "1")

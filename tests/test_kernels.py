@@ -393,6 +393,17 @@ def test_routing_through_stand_in_kernels():
         kernels._runner, kernels.on_cuda = saved
 
 
+def test_summary_names_every_choice_and_counts_ours():
+    la = kernels.launch_config(Q4, 14336, 4096, 1)
+    choices = [kernels.Choice(Q4, 14336, 4096, 1, 32, la, {kernels.BUILTIN: 36e-6, la.label: 20e-6}),
+               kernels.Choice(Q4, 1024, 4096, 1, 64, None, {kernels.BUILTIN: 5e-6}),
+               kernels.Choice(Q4, 14336, 4096, 1, 32, None, fuse="glu")]
+    lines = kernels.summary(choices).splitlines()
+    assert lines[0].startswith("kernels: ours for 32 of 128 matrices") and "(1 of 3 shapes)" in lines[0]
+    assert f"q4g32 gemv 14336x4096 rows 1 (x32): {la.label} [mlx built-in 36.0 us, {la.label} 20.0 us]" in lines[1]
+    assert lines[2].endswith(": mlx built-in [mlx built-in 5.0 us]") and lines[3].endswith("glu 14336x4096 rows 1 (x32): unfused")
+
+
 def test_count_kernels_grows_linearly_with_layers():
     from dataclasses import replace
 
