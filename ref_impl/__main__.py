@@ -152,7 +152,7 @@ def cmd_bench(a: argparse.Namespace) -> None:
             shape = a.shape or "Llama-3.1-8B"
             records = bench_kernels(shape, args_for(shape), a.weights, Path(work), a.prompt_len, a.gen_tokens,
                                     a.repeats, llama_bench_binary=Path(a.llama_bench) if a.llama_bench else None,
-                                    progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+                                    quick=a.quick, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
         elif a.shape:
             records = bench_shape(a.shape, args_for(a.shape), a.weights, Path(work), a.prompt_len, a.gen_tokens,
                                   a.repeats)
@@ -286,7 +286,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--draft", default="models/stdlib-draft-1m.gguf", help="the draft model for --spec")
     b.add_argument("--mtp-heads", help="MTP heads for --spec (default: MODEL-mtp.gguf beside --model, if present)")
     b.add_argument("--quick", action="store_true",
-                   help="--dispatch, --spec or --kv with tiny sizes: checks it runs, in seconds")
+                   help="--dispatch, --spec or --kv with tiny sizes: checks it runs, in seconds; --kernels: "
+                        "decode only, default launches (no per-matrix sweep or timing)")
     b.add_argument("--work-dir", help="where --quant and --shape write their temporary GGUF files")
     b.add_argument("--label", help="machine label for the file name (default: host-backend)")
     b.add_argument("--out", default="results")

@@ -33,7 +33,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from . import blas, gguf
-from .generate import Sampler, generate_step
+from .generate import Sampler, compiled_decoder, decode_one_token, generate_step, prefill
 from .model import Model, ModelArgs, load_model
 
 
@@ -111,12 +111,12 @@ def _repeat(make_stream: Callable[[], Iterator], n: int, repeats: int) -> list:
     return [_time_tokens(make_stream(), n) for _ in range(repeats)]
 
 
-def ours(model: Model, prompt: list[int], n: int, repeats: int, pipeline: bool) -> list:
-    """Our decoder."""
+def ours(model: Model, prompt: list[int], n: int, repeats: int, pipeline: bool, compiled: bool = False) -> list:
+    """Our decoder (compiled: each decode step one mx.compile'd graph)."""
 
     def stream():
         cache = model.make_cache(len(prompt) + n)
-        return generate_step(model, prompt, Sampler(), cache, pipeline=pipeline)
+        return generate_step(model, prompt, Sampler(), cache, pipeline=pipeline, compiled=compiled)
     return _repeat(stream, n, repeats)
 
 
@@ -429,18 +429,20 @@ def bench_shape(shape: str, args: ModelArgs, weight_types: Sequence[str], work_d
     return records
 
 
-def _host_split(model: Model, prompt: list[int], steps: int = 16) -> dict[str, float]:
+def _host_split(model: Model, prompt: list[int], steps: int = 16, compiled: bool = False) -> dict[str, float]:
     """Median seconds of one greedy decode step, the GPU idle at its start: building the graph in Python
-    ("build"), mx.async_eval returning ("submit": MLX encodes every kernel on this thread) and waiting for
-    the token ("wait"). Pipelined decode overlaps build + submit of step t+1 with the GPU's step t, so a
-    step costs about max(build + submit, GPU)."""
-    cache = model.make_cache(len(prompt) + steps + 2)
-    y = mx.argmax(model(mx.array([prompt]), cache)[:, -1], axis=-1)
+    ("build"; compiled: replaying the traced graph), mx.async_eval returning ("submit": MLX encodes every
+    kernel on this thread) and waiting for the token ("wait"). Pipelined decode overlaps build + submit of
+    step t+1 with the GPU's step t, so a step costs about max(build + submit, GPU)."""
+    cache = model.make_cache(len(prompt) + steps + 3)
+    step = compiled_decoder(model, cache) if compiled else lambda t: decode_one_token(model, t, cache)
+    y = mx.argmax(prefill(model, mx.array([prompt]), cache), axis=-1)
+    y = mx.argmax(step(y), axis=-1)       # compiled: the trace, outside the timing
     mx.eval(y)
     parts = {"build": [], "submit": [], "wait": []}
     for _ in range(steps):
         t0 = time.perf_counter()
-        y = mx.argmax(model(y[:, None], cache)[:, -1], axis=-1)
+        y = mx.argmax(step(y), axis=-1)
         t1 = time.perf_counter()
         mx.async_eval(y)
         t2 = time.perf_counter()
@@ -545,22 +547,28 @@ def _queued_ms(choices: list, variant: str) -> dict[str, float]:
                 key = f"{shape[0]}x{shape[1]}"
                 out[key] -= single[shape].seconds.get(single[shape].launch.label if single[shape].launch
                                                       else kernels.BUILTIN, math.nan) * count * c.layers * 1e3
-            out[f"{fuse} {c.n}x{c.k}"] = c.seconds[c.launch.label] * c.layers * 1e3
+            out[f"{fuse} {c.n}x{c.k}"] = c.seconds.get(c.launch.label, math.nan) * c.layers * 1e3
     return out
+
+
+# MLX's built-ins, our GEMVs where faster, with the fused gate/up and q/k/v kernels; "+compiled": each decode
+# step one mx.compile'd graph (generate.compiled_decoder)
+DECODE_VARIANTS = ("native", "native+compiled", "kernels", "kernels+fused", "kernels+fused+compiled")
 
 
 def bench_kernels(shape: str, args: ModelArgs, weight_types: Sequence[str], work_dir: Path, prompt_len: int = 128,
                   gen_tokens: int = 128, repeats: int = 3, seed: int = 0, llama_bench_binary: Path | None = None,
-                  progress: Callable[[str], None] | None = None) -> list[dict]:
+                  quick: bool = False, progress: Callable[[str], None] | None = None) -> list[dict]:
     """kernels.py's CUDA GEMVs against MLX's built-ins: GB/s per matrix shape of `shape` (4-bit groups of 32,
     float16; 1 and 4 rows; queued, with the host time to build each call), then decode of a random model of
     `shape` per weight type: MLX's built-ins ("native"), our GEMVs where faster ("kernels"), and with the
     fused gate/up and q/k/v kernels ("kernels+fused"): tokens/s, share of bandwidth, kernels per token,
     greedy agreement, the patch's choices, and where a token's time goes ("decode-breakdown", ms per token:
     host build and submit of one step, the matrix work alone as a chain, the GEMVs queued per shape, the
-    step with every matrix replaced by a constant, and with attention too). llama_bench_binary: llama.cpp's
-    llama-bench on the same GGUF file first (peer "llama.cpp"). Off MLX's CUDA backend: one "skipped"
-    record, at once."""
+    step with every matrix replaced by a constant, and with attention too); each with and without compiling
+    the decode step (DECODE_VARIANTS). llama_bench_binary: llama.cpp's llama-bench on the same GGUF file first
+    (peer "llama.cpp"). quick: decode only, with launch_config's default launches (no sweep, no timing of
+    candidates). Off MLX's CUDA backend: one "skipped" record, at once."""
     from . import kernels
     from .roofline import matmul_shapes, shape_from_args
 
@@ -575,7 +583,7 @@ def bench_kernels(shape: str, args: ModelArgs, weight_types: Sequence[str], work
     records = bandwidth_records(bw)
     say(f"copy bandwidth {bw['copy']:.0f} GB/s")
     shapes = sorted({(n, k) for k, n in matmul_shapes(shape_from_args(shape, args))})
-    for fmt in (kernels.Format(4, 32), kernels.Format(16)):
+    for fmt in (kernels.Format(4, 32), kernels.Format(16)) if not quick else ():
         sweep = kernels.gemv_sweep(shapes, [fmt], (1, 4), shape, seed=seed)
         records += sweep
         host = {(r["weights"], tuple(r["shape"]), r["rows"], r["variant"]): r["value"] for r in sweep
@@ -622,9 +630,10 @@ def bench_kernels(shape: str, args: ModelArgs, weight_types: Sequence[str], work
         say(f"{wt}: without matrices {rest['no_matrices']:.2f} ms/token, also without attention "
             f"{rest['no_matrices_no_attention']:.2f}")
         ids, choices = {}, []
-        for variant in ("native", "kernels", "kernels+fused"):
+        for variant in DECODE_VARIANTS:
+            compiled = variant.endswith("+compiled")
             if variant == "kernels":
-                choices = kernels.patch(model, fuse=True)
+                choices = kernels.patch(model, fuse=True, measure=not quick)
                 for c in choices:
                     chosen = c.launch.label if c.launch else kernels.UNFUSED if c.fuse else kernels.BUILTIN
                     records.append({**base, "experiment": "kernel-choice", "weights": c.fmt.name, "variant": chosen,
@@ -636,12 +645,12 @@ def bench_kernels(shape: str, args: ModelArgs, weight_types: Sequence[str], work
                     say(f"patch {wt} {c.fmt.name} {c.fuse or 'gemv'} {(c.n, c.k)} rows {c.rows}: {chosen}; "
                         + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in c.seconds.items())
                         + (f"; failed: {', '.join(c.errors)}" if c.errors else ""))
-            if variant != "native":
-                kernels.enable(model, gemv=True, fused=variant == "kernels+fused")
-            runs = ours(model, prompt, gen_tokens, repeats, pipeline=True)
+            if variant.startswith("kernels"):
+                kernels.enable(model, gemv=True, fused="fused" in variant)
+            runs = ours(model, prompt, gen_tokens, repeats, pipeline=True, compiled=compiled)
             ids[variant] = runs[0][2]
             tps = _summarize(runs, prompt_len)["tokens_per_s"]
-            n_kernels = kernels.count_kernels(model)
+            n_kernels = kernels.count_kernels(model, compiled=compiled)
             overhead = (1 / tps[0] - step_bytes / (bw["copy"] * 1e9)) / n_kernels
             records += [{**base, "variant": variant, "metric": "tokens_per_s", "unit": "tok/s", "value": tps[0],
                          "samples": tps[1]},
@@ -653,7 +662,7 @@ def bench_kernels(shape: str, args: ModelArgs, weight_types: Sequence[str], work
                         {**base, "variant": variant, "metric": "overhead_us_per_kernel", "unit": "us",
                          "value": overhead * 1e6, "samples": [],
                          "note": "(token time - bytes_per_token / copy bandwidth) / kernels_per_token"}]
-            host = _host_split(model, prompt)
+            host = _host_split(model, prompt, compiled=compiled)
             chain = _matrix_chain(model)
             parts = {"decode": 1e3 / tps[0], "host_build": host["build"] * 1e3, "host_submit": host["submit"] * 1e3,
                      "step_wait": host["wait"] * 1e3, "step_sync": sum(host.values()) * 1e3,
@@ -672,7 +681,7 @@ def bench_kernels(shape: str, args: ModelArgs, weight_types: Sequence[str], work
                 + ", ".join(f"{k} {v:.2f}" for k, v in queued.items()) + ")")
         records.append({**base, "variant": "kernels", "metric": "bytes_per_token", "unit": "B", "value": step_bytes,
                         "samples": []})
-        for variant in ("kernels", "kernels+fused"):
+        for variant in DECODE_VARIANTS[1:]:
             same = np.array(ids[variant]) == np.array(ids["native"])
             first = int(np.argmin(same)) if not same.all() else None
             records.append({**base, "variant": variant, "metric": "greedy_agreement", "unit": "fraction",

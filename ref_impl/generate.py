@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from .kvcache import KVCache
+from .kvcache import KVCache, StepCache
 from .model import Model
 from .tokenizer import Tokenizer
 
@@ -93,15 +93,43 @@ def decode_one_token(model: Model, token: mx.array, cache: list[KVCache]) -> mx.
     return model(token[:, None], cache)[:, -1, :]
 
 
+def compiled_decoder(model: Model, cache: list[KVCache]) -> Callable[[mx.array], mx.array]:
+    """decode_one_token(model, token, cache) as one mx.compile'd graph, for pre-allocated KVCaches: traced at
+    the first call and replayed at every position after it, so a step's Python runs once, not once a token
+    (the writing-a-kernel chapter measures the host time it saves). Writes the buffers and offsets as
+    decode_one_token would."""
+    if any(type(c) is not KVCache for c in cache):
+        raise ValueError("a compiled decode step needs the pre-allocated float KVCache (model.make_cache)")
+
+    def step(token: mx.array, pos: mx.array, *buffers: mx.array) -> list[mx.array]:
+        layers = [StepCache(buffers[i], buffers[i + 1], pos) for i in range(0, len(buffers), 2)]
+        logits = model(token[:, None], layers)[:, -1, :]
+        return [logits, *(b for c in layers for b in (c.keys, c.values))]
+
+    compiled = mx.compile(step)
+
+    def decode(token: mx.array) -> mx.array:
+        if cache[0].offset >= cache[0].max_size:
+            raise ValueError(f"KV cache full: {cache[0].max_size} positions allocated")
+        out = compiled(token, mx.array(cache[0].offset, dtype=mx.int32), *(b for c in cache for b in (c.keys, c.values)))
+        for i, c in enumerate(cache):
+            c.keys, c.values = out[1 + 2 * i], out[2 + 2 * i]
+            c.offset += 1
+        return out[0]
+    return decode
+
+
 def generate_step(model: Model, prompt: list[int], sampler: Sampler, cache: list[KVCache],
-                  pipeline: bool = False) -> Iterator[int]:
-    """Yield token ids one at a time, forever; the caller stops it."""
+                  pipeline: bool = False, compiled: bool = False) -> Iterator[int]:
+    """Yield token ids one at a time, forever; the caller stops it. compiled: decode through
+    compiled_decoder (the prompt itself runs uncompiled)."""
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token (e.g. BOS)")
+    step = compiled_decoder(model, cache) if compiled else lambda t: decode_one_token(model, t, cache)
     y = sampler(prefill(model, mx.array([prompt]), cache))
     mx.async_eval(y)
     while True:
-        next_y = sampler(decode_one_token(model, y, cache))
+        next_y = sampler(step(y))
         if pipeline:
             mx.async_eval(next_y)   # queue step t+1 before waiting on step t
         yield y.item()

@@ -1069,12 +1069,17 @@ VIEWS = frozenset({"Broadcast", "Reshape", "Flatten", "Unflatten", "ExpandDims",
                    "Slice", "AsStrided"})
 
 
-def count_kernels(model: nn.Module, context: int = 8) -> int:
+def count_kernels(model: nn.Module, context: int = 8, compiled: bool = False) -> int:
     """Compute primitives in the graph of one decode step (views excluded): about the kernels MLX
-    launches per token on this device (a fused or compiled primitive counts once)."""
-    cache = model.make_cache(context + 1)
+    launches per token on this device (a fused or compiled primitive counts once; compiled: the step as
+    generate.compiled_decoder runs it)."""
+    from .generate import compiled_decoder, decode_one_token
+
+    cache = model.make_cache(context + 2)
     mx.eval(model(mx.zeros((1, context), dtype=mx.int32), cache))
-    logits = model(mx.zeros((1, 1), dtype=mx.int32), cache)
+    step = compiled_decoder(model, cache) if compiled else lambda t: decode_one_token(model, t, cache)
+    mx.eval(step(mx.zeros((1,), dtype=mx.int32)))         # compiled: traced here, so the count sees the replay
+    logits = step(mx.zeros((1,), dtype=mx.int32))
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "step.dot"
         mx.export_to_dot(str(path), logits)

@@ -79,6 +79,27 @@ class KVCache:
         return self.keys.nbytes + self.values.nbytes
 
 
+class StepCache:
+    """One layer's cache inside a compiled decode step (generate.compiled_decoder): a KVCache's buffers and
+    the write position, all arrays, so the step's graph is the same at every position and mx.compile traces
+    it once. One token a step; attention reads the whole buffer with the unwritten slots masked out."""
+
+    fused = True   # model.Attention hands q, k, v to `attend`
+
+    def __init__(self, keys: mx.array, values: mx.array, pos: mx.array):
+        self.keys, self.values, self.offset = keys, values, pos
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.array:
+        """Write k, v (B, n_kv_heads, 1, head_dim) at `pos`; attend q over every slot written so far."""
+        if k.shape[2] != 1:
+            raise ValueError(f"a compiled decode step takes one token, got {k.shape[2]}")
+        at = self.offset.reshape(1)
+        self.keys = mx.slice_update(self.keys, k, at, axes=(2,))
+        self.values = mx.slice_update(self.values, v, at, axes=(2,))
+        written = mx.arange(self.keys.shape[2]) <= self.offset
+        return mx.fast.scaled_dot_product_attention(q, self.keys, self.values, scale=scale, mask=written)
+
+
 class ConcatKVCache(KVCache):
     """A cache that grows by concatenation: every forward allocates a new history one step longer
     and copies the old one into it. Same interface as KVCache; max_size only caps the length."""

@@ -41,6 +41,37 @@ def test_pipelined_equals_synchronous(shipped, settings):
     assert sync == piped
 
 
+def test_compiled_decode_equals_uncompiled(shipped, random_model):
+    # the same tokens and cache contents; the compiled step writes the same buffers decode_one_token would
+    model, tok = shipped
+    prompt = tok.encode("import os\n\ndef ", bos=True)
+    for m, p in ((model, prompt), (random_model, [1, 5, 9])):
+        caches = [m.make_cache(len(p) + 24) for _ in range(2)]
+        runs = [[t for _, t in zip(range(24), generate_step(m, p, Sampler(), c, True, compiled=flag))]
+                for c, flag in zip(caches, (False, True))]
+        assert runs[0] == runs[1]
+        assert caches[1][0].offset == caches[0][0].offset
+        for a, b in zip(caches[0], caches[1]):
+            np.testing.assert_allclose(np.array(b.keys[:, :, :a.offset]), np.array(a.state[0]), atol=1e-5)
+
+
+def test_compiled_decoder_checks_its_cache(random_model):
+    from ref_impl.generate import compiled_decoder
+    from ref_impl.kvcache import ConcatKVCache, StepCache
+
+    with pytest.raises(ValueError, match="pre-allocated float KVCache"):
+        compiled_decoder(random_model, [ConcatKVCache(1, 2, 8, 4)])
+    cache = random_model.make_cache(3)
+    step = compiled_decoder(random_model, cache)
+    for _ in range(3):
+        mx.eval(step(mx.array([1])))
+    with pytest.raises(ValueError, match="KV cache full"):
+        step(mx.array([1]))
+    one = StepCache(mx.zeros((1, 2, 4, 8)), mx.zeros((1, 2, 4, 8)), mx.array(0))
+    with pytest.raises(ValueError, match="one token"):
+        one.attend(mx.zeros((1, 4, 2, 8)), mx.zeros((1, 2, 2, 8)), mx.zeros((1, 2, 2, 8)), 1.0)
+
+
 def test_greedy_is_argmax_of_full_forward(random_model):
     """Each greedy token is the argmax of a fresh, uncached forward over everything before it."""
     seq = [1, 5, 9]

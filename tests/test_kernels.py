@@ -35,7 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ref_impl import MODELS_DIR, kernels
+from ref_impl import MODELS_DIR, bench, kernels
 from ref_impl.bench import args_for, bench_kernels
 from ref_impl.generate import Sampler, generate_step
 from ref_impl.latency import TINY, random_model
@@ -404,6 +404,12 @@ def test_summary_names_every_choice_and_counts_ours():
     assert lines[2].endswith(": mlx built-in [mlx built-in 5.0 us]") and lines[3].endswith("glu 14336x4096 rows 1 (x32): unfused")
 
 
+def test_count_kernels_of_a_compiled_step_is_smaller():
+    # mx.compile fuses the step's elementwise operations: fewer primitives, none added
+    model, _ = load(SHIPPED)
+    assert kernels.count_kernels(model, compiled=True) < kernels.count_kernels(model)
+
+
 def test_count_kernels_grows_linearly_with_layers():
     from dataclasses import replace
 
@@ -417,6 +423,30 @@ def test_bench_kernels_off_cuda_is_one_skipped_record(tmp_path):
     records = bench_kernels("Llama-3.1-8B", args_for("Llama-3.1-8B"), ["Q4_K"], tmp_path)
     assert time.perf_counter() - t0 < 5 and len(records) == 1
     assert records[0]["metric"] == "skipped" and "needs MLX's CUDA backend" in records[0]["note"]
+
+
+def test_bench_kernels_quick_flow_with_stand_in_kernels(tmp_path):
+    """bench --kernels --quick end to end on the CPU, our kernels stood in for by MLX's matmuls: every decode
+    variant (compiled or not) is timed and its tokens match MLX's built-ins exactly."""
+    from ref_impl.model import ModelArgs
+
+    saved = kernels._runner, kernels.on_cuda
+    kernels._runner, kernels.on_cuda = StandIn(), (lambda: True)
+    try:
+        args = ModelArgs(512, 256, 2, 512, 4, 2, tie_word_embeddings=False)
+        records = bench_kernels("tiny", args, ["Q4_K_M"], tmp_path, prompt_len=8, gen_tokens=8, repeats=1,
+                                quick=True)
+    finally:
+        kernels._runner, kernels.on_cuda = saved
+    speed = {r["variant"]: r["value"] for r in records if r["metric"] == "tokens_per_s"}
+    assert set(speed) == set(bench.DECODE_VARIANTS) and all(v > 0 for v in speed.values())
+    agree = {r["variant"]: r["value"] for r in records if r["metric"] == "greedy_agreement"}
+    assert agree == {v: 1.0 for v in bench.DECODE_VARIANTS[1:]}
+    parts = {(r["variant"], r["part"]) for r in records if r["experiment"] == "decode-breakdown"}
+    assert {(v, "host_build") for v in bench.DECODE_VARIANTS} <= parts
+    count = {r["variant"]: r["value"] for r in records if r["metric"] == "kernels_per_token"}
+    assert count["native+compiled"] < count["native"]        # (stand-ins are several primitives: not counted)
+    assert not [r for r in records if r["experiment"] == "gemv"]          # quick: no per-matrix sweep
 
 
 # --- on the GPU: every kernel against a float64 oracle ---------------------------------------------------
