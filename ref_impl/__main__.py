@@ -49,7 +49,7 @@ def cmd_generate(a: argparse.Namespace) -> None:
         print(kernels.summary(kernels.patch(model, rows=(1,), fuse=True)), file=sys.stderr)
     sys.stdout.write(a.prompt)
     g = generate(model, tokenizer, a.prompt, a.max_tokens, sampler, pipeline=not a.sync,
-                 on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+                 on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()), compiled=a.compile)
     print(flush=True)
     print(f"[{len(g.prompt_tokens)} prompt tokens, {len(g.tokens)} generated] "
           f"TTFT {g.ttft * 1e3:.1f} ms, decode {g.decode_tokens_per_s:.1f} tok/s", file=sys.stderr)
@@ -221,6 +221,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--kernels", choices=["auto", "on", "off"], default="auto",
                    help="our CUDA GEMV kernels (ref_impl/kernels.py) where a measurement at load finds them faster "
                         "than MLX's built-ins; auto: on MLX's CUDA backend only; on: fail elsewhere")
+    g.add_argument("--compile", action="store_true",
+                   help="trace one decode step with mx.compile and replay it at every position (less host time "
+                        "per token where the host limits decode)")
     g.set_defaults(run=cmd_generate)
 
     i = sub.add_parser("inspect", help="print a GGUF file's metadata and tensor table")

@@ -168,10 +168,11 @@ class Generation:
 
 def generate(model: Model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: int = 64,
              sampler: Sampler | None = None, pipeline: bool = False, stop_at_eos: bool = True,
-             on_text: Callable[[str], None] | None = None) -> Generation:
+             on_text: Callable[[str], None] | None = None, compiled: bool = False) -> Generation:
     """Generate up to max_tokens after the prompt; stream text pieces to on_text as they form.
 
-    A str prompt is encoded with BOS first; a list is taken as token ids.
+    A str prompt is encoded with BOS first; a list is taken as token ids. compiled: decode through
+    compiled_decoder.
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
@@ -183,7 +184,7 @@ def generate(model: Model, tokenizer: Tokenizer, prompt: str | list[int], max_to
     # the step after each yielded token is built before the yield, so token k needs len(ids)+k+1 slots
     cache = model.make_cache(len(ids) + max_tokens)
     out = Generation(prompt_tokens=ids, start=time.perf_counter())
-    steps = generate_step(model, ids, sampler or Sampler(), cache, pipeline)
+    steps = generate_step(model, ids, sampler or Sampler(), cache, pipeline, compiled)
     for _, token in zip(range(max_tokens), steps):
         out.token_times.append(time.perf_counter())
         if stop_at_eos and token == tokenizer.eos_id:

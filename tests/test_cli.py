@@ -72,6 +72,12 @@ def test_generate_kernels_off_cuda():
     assert on.returncode != 0 and "CUDA backend" in on.stderr and "Traceback" not in on.stderr
 
 
+def test_generate_compiled_gives_the_same_text():
+    plain, compiled = generate("--max-tokens", "16"), generate("--max-tokens", "16", "--compile")
+    assert compiled.returncode == 0, compiled.stderr
+    assert compiled.stdout == plain.stdout
+
+
 def test_generate_sampled_is_deterministic_per_seed():
     sample = ("--max-tokens", "32", "--temp", "0.8", "--top-p", "0.9", "--seed")
     first, again = generate(*sample, "1"), generate(*sample, "1")
