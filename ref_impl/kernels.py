@@ -7,7 +7,7 @@ affine layout (`mx.quantize`: uint32 words of 4- or 8-bit codes, value 0 in the 
 scale and bias per group of 32, 64 or 128 inputs: w = scale * q + bias) and float16/bfloat16
 matrices, for 1 activation row (decode) or 2-9 (speculative verification), accumulating in float32.
 
-Design (one launch, `Launch` below):
+Design (one launch, `Launch` below; the CUDA C++ itself is gemv_cuda.py):
 - Each warp owns `rows_per_warp` (R) consecutive output rows; warps never wait for each other (no
   shared memory, no block barrier), so a block of `warps` warps is only a scheduling unit. Lane l reads
   16-byte chunks l, l + 32, ... of each of its rows, so each warp instruction loads 512 contiguous
@@ -73,6 +73,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
+from .gemv_cuda import FUSES, HEADER, body, input_names, minified
 from .model import MLP
 
 MAX_ROWS = 9                  # activation rows a GEMV serves: decode (1) and speculative verification (2-9)
@@ -267,8 +268,7 @@ class Occupancy:
 
 def occupancy(launch: Launch, registers: int, sms: int = H200_SMS) -> Occupancy:
     """Blocks resident per SM given the registers per thread (ptxas -v): the least of 2048 threads,
-    32 blocks and 65536 registers (allocated per warp in units of 256) per SM. ptxas 13.0 for sm_90a, 1 row,
-    rows_per_warp/unroll 1/4, 2/2, 2/4, 4/2: 4-bit 56, 70, 96, 128 registers; float16 40, 40, 56, 64 (no spills)."""
+    32 blocks and 65536 registers (allocated per warp in units of 256) per SM. REGISTERS has ptxas's counts."""
     if registers < 1 or registers > 255:
         raise ValueError(f"registers={registers}: a thread has 1 to 255")
     per_warp = -(-registers * 32 // 256) * 256
@@ -278,351 +278,9 @@ def occupancy(launch: Launch, registers: int, sms: int = H200_SMS) -> Occupancy:
     return Occupancy(blocks, warps, warps / 64, launch.blocks / (max(blocks, 1) * sms), warps * 32 * 16 * in_flight)
 
 
-# --- the CUDA source ------------------------------------------------------------------------------------
-
-_HEADER = r"""
-namespace ref_gemv {
-
-// 16 bytes of weights, read once: ld.global.nc with no L1 allocation, so L1 keeps x
-template <bool ALIGNED>
-__device__ __forceinline__ uint4 load_weights(const void* p) {
-  uint4 v;
-  if constexpr (ALIGNED) {
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  } else {
-    const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
-    v = make_uint4(h[0] | (uint32_t(h[1]) << 16), h[2] | (uint32_t(h[3]) << 16),
-                   h[4] | (uint32_t(h[5]) << 16), h[6] | (uint32_t(h[7]) << 16));
-  }
-  return v;
-}
-
-// 8 or 4 activations (16 or 8 bytes), through the cache: every warp reads x
-template <bool ALIGNED>
-__device__ __forceinline__ uint4 load_x16(const void* p) {
-  if constexpr (ALIGNED) {
-    return __ldg(reinterpret_cast<const uint4*>(p));
-  } else {
-    const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
-    return make_uint4(h[0] | (uint32_t(h[1]) << 16), h[2] | (uint32_t(h[3]) << 16),
-                      h[4] | (uint32_t(h[5]) << 16), h[6] | (uint32_t(h[7]) << 16));
-  }
-}
-
-template <bool ALIGNED>
-__device__ __forceinline__ uint2 load_x8(const void* p) {
-  if constexpr (ALIGNED) {
-    return __ldg(reinterpret_cast<const uint2*>(p));
-  } else {
-    const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
-    return make_uint2(h[0] | (uint32_t(h[1]) << 16), h[2] | (uint32_t(h[3]) << 16));
-  }
-}
-
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
-// two 16-bit floats packed in a word, low half first
-template <typename T> __device__ __forceinline__ float2 to_float2(uint32_t v);
-template <> __device__ __forceinline__ float2 to_float2<__half>(uint32_t v) {
-  return __half22float2(__halves2half2(__ushort_as_half((unsigned short)(v & 0xFFFFu)),
-                                       __ushort_as_half((unsigned short)(v >> 16))));
-}
-template <> __device__ __forceinline__ float2 to_float2<__nv_bfloat16>(uint32_t v) {
-  return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xFFFF0000u));
-}
-
-__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
-  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
-
-template <typename T>
-__device__ __forceinline__ void unpack(const uint4& u, float (&f)[8]) {
-  #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 p = to_float2<T>(word(u, i));
-    f[2 * i] = p.x;
-    f[2 * i + 1] = p.y;
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ void unpack(const uint2& u, float (&f)[4]) {
-  const float2 a = to_float2<T>(u.x), b = to_float2<T>(u.y);
-  f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
-}
-
-// Eight 4-bit codes (code e in bits 4e..4e+3) as exact floats. OR-ing a code c shifted by 16^j into the
-// mantissa of 2^23 (0x4B000000) gives the float 2^23 + c 16^j (exact while c 16^j < 2^23: j <= 4);
-// one FMA by 16^-j, minus 2^23 16^-j, leaves c. Codes 5-7 come from the word shifted right by 20.
-__device__ __forceinline__ void decode(uint32_t v, float (&q)[8]) {
-  #pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    const int j = e < 5 ? e : e - 5;
-    const uint32_t src = e < 5 ? v : v >> 20;
-    const float inv = 1.0f / float(1u << (4 * j));
-    q[e] = fmaf(__uint_as_float((src & (0xFu << (4 * j))) | 0x4B000000u), inv, -8388608.0f * inv);
-  }
-}
-
-// Four 8-bit codes: a byte permute builds 0x4B0000cc, the float 2^23 + c.
-__device__ __forceinline__ void decode(uint32_t v, float (&q)[4]) {
-  #pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    q[e] = __uint_as_float(__byte_perm(v, 0x4B000000u, 0x7440u | e)) - 8388608.0f;
-  }
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-  #pragma unroll
-  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
-  return v;
-}
-
-// One weight matrix's arrays: codes (or the dense matrix) w, and for affine codes a scale and bias per group.
-template <typename W, typename T>
-struct Mat {
-  const W* w;
-  const T* s;
-  const T* b;
-};
-
-// Reduce a warp's partial sums; lane r*M+m writes y[m, row0 + r] (GLU: silu(gate row r) * up row r).
-template <typename T, int RW, int M, bool GLU>
-__device__ __forceinline__ void store(float (&tot)[RW][M], T* out, int row0, int n, int lane) {
-  constexpr int R = GLU ? RW / 2 : RW;
-  float mine = 0.0f;
-  #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      float v = warp_sum(tot[r][m]);
-      if constexpr (GLU) {
-        v = v / (1.0f + expf(-v)) * warp_sum(tot[r + R][m]);
-      }
-      if (lane == r * M + m) mine = v;
-    }
-  }
-  const int r = lane / M, m = lane % M;
-  if (lane < R * M && row0 + r < n) out[(int64_t)m * n + row0 + r] = from_float<T>(mine);
-}
-
-// One warp: y (M, n) rows row0..row0+R-1 of x (M, k) W^T, W in MLX's affine layout (w (n, k*BITS/32)
-// uint32, scales and biases (n, k/GROUP)). Lane l reads 16-byte chunks l, l+32, ... of each of its rows,
-// U chunks per row in flight; GLU reads R rows of a (gate) and the same R rows of a2 (up).
-template <bool ALIGNED, typename T, int BITS, int GROUP, int M, int R, int U, bool GLU>
-__device__ __forceinline__ void affine_rows(const T* x, Mat<uint32_t, T> a, Mat<uint32_t, T> a2, T* out,
-                                            int n, int k, int row0) {
-  constexpr int V = 32 / BITS;                 // codes per word
-  constexpr int CV = 4 * V;                    // codes per 16-byte chunk, all in one group
-  constexpr int RW = GLU ? 2 * R : R;          // weight rows
-  if (row0 >= n) return;                       // the whole warp: no barrier follows
-  const int lane = threadIdx.x % 32;
-  const int chunks = k / CV, words = k / V, groups = k / GROUP;
-  const uint32_t* wr[RW];
-  const T* sr[RW];
-  const T* br[RW];
-  #pragma unroll
-  for (int r = 0; r < RW; ++r) {
-    const Mat<uint32_t, T>& src = (GLU && r >= R) ? a2 : a;
-    const int rr = row0 + (r % R);
-    const int64_t row = rr < n ? rr : n - 1;    // a last warp's spare rows re-read row n-1
-    wr[r] = src.w + row * words;
-    sr[r] = src.s + row * groups;
-    br[r] = src.b + row * groups;
-  }
-  float tot[RW][M];
-  #pragma unroll
-  for (int r = 0; r < RW; ++r) {
-    #pragma unroll
-    for (int m = 0; m < M; ++m) tot[r][m] = 0.0f;
-  }
-  for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
-    uint4 wq[U][RW];
-    float s[U][RW], b[U][RW];
-    #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + 32 * u;
-      #pragma unroll
-      for (int r = 0; r < RW; ++r) {
-        if (c < chunks) {
-          wq[u][r] = load_weights<ALIGNED>(wr[r] + 4 * c);
-          s[u][r] = to_float(sr[r][c * CV / GROUP]);
-          b[u][r] = to_float(br[r][c * CV / GROUP]);
-        } else {
-          wq[u][r] = make_uint4(0u, 0u, 0u, 0u);
-          s[u][r] = 0.0f;
-          b[u][r] = 0.0f;
-        }
-      }
-    }
-    #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + 32 * u;
-      if (c < chunks) {
-        float acc[RW][M], xs[M];
-        #pragma unroll
-        for (int m = 0; m < M; ++m) {
-          xs[m] = 0.0f;
-          #pragma unroll
-          for (int r = 0; r < RW; ++r) acc[r][m] = 0.0f;
-        }
-        #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          float q[RW][V];
-          #pragma unroll
-          for (int r = 0; r < RW; ++r) decode(word(wq[u][r], i), q[r]);
-          #pragma unroll
-          for (int m = 0; m < M; ++m) {
-            float xv[V];
-            const T* xp = x + (int64_t)m * k + c * CV + i * V;
-            if constexpr (V == 8) unpack<T>(load_x16<ALIGNED>(xp), xv);
-            else unpack<T>(load_x8<ALIGNED>(xp), xv);
-            #pragma unroll
-            for (int e = 0; e < V; ++e) xs[m] += xv[e];
-            #pragma unroll
-            for (int r = 0; r < RW; ++r) {
-              #pragma unroll
-              for (int e = 0; e < V; ++e) acc[r][m] = fmaf(q[r][e], xv[e], acc[r][m]);
-            }
-          }
-        }
-        // sum_i (s q_i + b) x_i = s sum_i q_i x_i + b sum_i x_i
-        #pragma unroll
-        for (int r = 0; r < RW; ++r) {
-          #pragma unroll
-          for (int m = 0; m < M; ++m) tot[r][m] = fmaf(s[u][r], acc[r][m], fmaf(b[u][r], xs[m], tot[r][m]));
-        }
-      }
-    }
-  }
-  store<T, RW, M, GLU>(tot, out, row0, n, lane);
-}
-
-// The same for a dense matrix W (n, k) in T: chunks of 8 weights.
-template <bool ALIGNED, typename T, int M, int R, int U, bool GLU>
-__device__ __forceinline__ void dense_rows(const T* x, Mat<T, T> a, Mat<T, T> a2, T* out, int n, int k, int row0) {
-  constexpr int RW = GLU ? 2 * R : R;
-  if (row0 >= n) return;
-  const int lane = threadIdx.x % 32;
-  const int chunks = k / 8;
-  const T* wr[RW];
-  #pragma unroll
-  for (int r = 0; r < RW; ++r) {
-    const int rr = row0 + (r % R);
-    const int64_t row = rr < n ? rr : n - 1;
-    wr[r] = ((GLU && r >= R) ? a2.w : a.w) + row * k;
-  }
-  float tot[RW][M];
-  #pragma unroll
-  for (int r = 0; r < RW; ++r) {
-    #pragma unroll
-    for (int m = 0; m < M; ++m) tot[r][m] = 0.0f;
-  }
-  for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
-    uint4 wq[U][RW];
-    #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + 32 * u;
-      #pragma unroll
-      for (int r = 0; r < RW; ++r) {
-        wq[u][r] = c < chunks ? load_weights<ALIGNED>(wr[r] + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
-      }
-    }
-    #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + 32 * u;
-      if (c < chunks) {
-        float wv[RW][8];
-        #pragma unroll
-        for (int r = 0; r < RW; ++r) unpack<T>(wq[u][r], wv[r]);
-        #pragma unroll
-        for (int m = 0; m < M; ++m) {
-          float xv[8];
-          unpack<T>(load_x16<ALIGNED>(x + (int64_t)m * k + 8 * c), xv);
-          #pragma unroll
-          for (int r = 0; r < RW; ++r) {
-            #pragma unroll
-            for (int e = 0; e < 8; ++e) tot[r][m] = fmaf(wv[r][e], xv[e], tot[r][m]);
-          }
-        }
-      }
-    }
-  }
-  store<T, RW, M, GLU>(tot, out, row0, n, lane);
-}
-
-// Which warp of the grid this is: warps are independent, each owns R consecutive output rows.
-__device__ __forceinline__ int warp_id() { return blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; }
-
-}  // namespace ref_gemv
-"""
-
-# The bodies MLX wraps in a kernel signature built from input_names (x, w0, s0, b0, ...), output_names
-# (y0, ...) and the template constants T, M, R, U (and BITS, GROUP); w0_shape etc. are generated because
-# the body names them. "qkv": three matrices side by side, each to its own output; a warp never straddles
-# two of them. "glu": silu(x W0^T) * (x W1^T).
-_CALL_AFFINE = "::ref_gemv::affine_rows<{a}, T, BITS, GROUP, M, R, U, {glu}>(x, {m}, {m2}, {y}, {n}, k, {row0})"
-_CALL_DENSE = "::ref_gemv::dense_rows<{a}, T, M, R, U, {glu}>(x, {m}, {m2}, {y}, {n}, k, {row0})"
-
-
-def _body(dense: bool, fuse: str) -> str:
-    """The kernel body for one matrix ("") or a fused group ("glu", "qkv")."""
-    call = _CALL_DENSE if dense else _CALL_AFFINE
-    mats = 3 if fuse == "qkv" else 2 if fuse == "glu" else 1
-    w_t = "T" if dense else "uint32_t"
-    lines = [f"  const int k = w0_shape[1]{'' if dense else ' * (32 / BITS)'};",
-             "  const int wid = ::ref_gemv::warp_id();"]
-    for i in range(mats):
-        arrays = f"w{i}, nullptr, nullptr" if dense else f"w{i}, s{i}, b{i}"
-        lines.append(f"  const ::ref_gemv::Mat<{w_t}, T> m{i}{{{arrays}}};")
-    # pointers not 16-byte aligned (a sliced input) take the 2-byte-load path: same results, slower
-    ptrs = " | ".join(f"(uintptr_t){p}" for p in ["x"] + [f"w{i}" for i in range(mats)])
-    lines.append(f"  const bool al = (({ptrs}) & 15) == 0;")
-
-    def both(m: str, m2: str, y: str, n: str, row0: str) -> str:
-        kw = dict(m=m, m2=m2, y=y, n=n, row0=row0, glu="true" if fuse == "glu" else "false")
-        return f"if (al) {call.format(a='true', **kw)}; else {call.format(a='false', **kw)};"
-
-    if fuse == "qkv":   # warps 0..c0-1 run q's rows, then k's, then v's
-        lines += ["  const int n0 = w0_shape[0], n1 = w1_shape[0], n2 = w2_shape[0];",
-                  "  const int c0 = (n0 + R - 1) / R, c1 = (n1 + R - 1) / R;",
-                  "  const bool in0 = wid < c0, in1 = !in0 && wid < c0 + c1;",
-                  f"  const ::ref_gemv::Mat<{w_t}, T> m = in0 ? m0 : in1 ? m1 : m2;",
-                  "  T* const y = in0 ? y0 : in1 ? y1 : y2;",
-                  "  const int n = in0 ? n0 : in1 ? n1 : n2;",
-                  "  const int row0 = (in0 ? wid : in1 ? wid - c0 : wid - c0 - c1) * R;",
-                  f"  {both('m', 'm', 'y', 'n', 'row0')}"]
-    else:
-        lines += [f"  {both('m0', 'm1' if fuse == 'glu' else 'm0', 'y0', 'w0_shape[0]', 'wid * R')}"]
-    return "\n".join(lines) + "\n"
-
-
-def _minified(src: str) -> str:
-    """The source without comments and indentation: MLX copies and hashes it at every call."""
-    lines = (re.sub(r"//.*$", "", line).strip() for line in src.splitlines())
-    return "\n".join(line for line in lines if line) + "\n"
-
-
 def on_cuda() -> bool:
     """True when MLX runs on its CUDA backend: the only place these kernels run."""
     return mx.cuda.is_available() and mx.default_device() == mx.gpu
-
-
-FUSES = ("", "glu", "qkv")
-
-
-def input_names(dense: bool, fuse: str = "") -> list[str]:
-    """The kernel's inputs: x, then per matrix w (and s, b for affine codes)."""
-    mats = 3 if fuse == "qkv" else 2 if fuse == "glu" else 1
-    return ["x"] + [f"{a}{i}" for i in range(mats) for a in (("w",) if dense else ("w", "s", "b"))]
 
 
 @functools.cache
@@ -630,7 +288,7 @@ def _kernel(dense: bool, fuse: str = ""):
     outputs = ["y0", "y1", "y2"] if fuse == "qkv" else ["y0"]
     name = f"ref_gemv_{'dense' if dense else 'affine'}{'_' + fuse if fuse else ''}"
     return mx.fast.cuda_kernel(name=name, input_names=input_names(dense, fuse), output_names=outputs,
-                               source=_body(dense, fuse), header=_minified(_HEADER))
+                               source=body(dense, fuse), header=minified(HEADER))
 
 
 @functools.cache

@@ -35,7 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ref_impl import MODELS_DIR, bench, kernels
+from ref_impl import MODELS_DIR, bench, gemv_cuda, kernels
 from ref_impl.bench import args_for, bench_kernels
 from ref_impl.generate import Sampler, generate_step
 from ref_impl.latency import TINY, random_model
@@ -249,7 +249,7 @@ def test_layout_matches_mx_dequantize():
 
 
 def test_float_tricks_in_the_source_are_exact():
-    src = kernels._HEADER
+    src = gemv_cuda.HEADER
     magic = int(re.search(r"\| (0x[0-9A-Fa-f]+)u\)", src).group(1), 16)   # ORed into the code's word
     shift = int(re.search(r"v >> (\d+);", src).group(1))                     # codes 5-7 come from v >> shift
     offset = -float(re.search(r"-(\d+)\.0f \* inv", src).group(1))
@@ -278,7 +278,7 @@ def test_float_tricks_in_the_source_are_exact():
 def test_kernel_bodies_name_their_inputs():
     for dense in (False, True):
         for fuse in kernels.FUSES:
-            body, names = kernels._body(dense, fuse), kernels.input_names(dense, fuse)
+            body, names = gemv_cuda.body(dense, fuse), kernels.input_names(dense, fuse)
             mats = {"": 1, "glu": 2, "qkv": 3}[fuse]
             assert names == ["x"] + [f"{a}{i}" for i in range(mats) for a in (("w",) if dense else ("w", "s", "b"))]
             for name in names[1:]:
@@ -287,8 +287,8 @@ def test_kernel_bodies_name_their_inputs():
             assert "w0_shape" in body and ("w2_shape" in body) == (fuse == "qkv") and "x_shape" not in body
             for y in ("y0", "y1", "y2")[:3 if fuse == "qkv" else 1]:
                 assert re.search(rf"\b{y}\b", body)
-    small = kernels._minified(kernels._HEADER)
-    assert "//" not in small and len(small) < 0.8 * len(kernels._HEADER) and "ld.global.nc" in small
+    small = gemv_cuda.minified(gemv_cuda.HEADER)
+    assert "//" not in small and len(small) < 0.8 * len(gemv_cuda.HEADER) and "ld.global.nc" in small
 
 
 # --- in the decoder, any backend ------------------------------------------------------------------------
