@@ -96,7 +96,7 @@ def decode_one_token(model: Model, token: mx.array, cache: list[KVCache]) -> mx.
 def compiled_decoder(model: Model, cache: list[KVCache]) -> Callable[[mx.array], mx.array]:
     """decode_one_token(model, token, cache) as one mx.compile'd graph, for pre-allocated KVCaches: traced at
     the first call and replayed at every position after it, so a step's Python runs once, not once a token
-    (the writing-a-kernel chapter measures the host time it saves). Writes the buffers and offsets as
+    (the writing-a-kernel chapter times its host work against Python's). Writes the buffers and offsets as
     decode_one_token would."""
     if any(type(c) is not KVCache for c in cache):
         raise ValueError("a compiled decode step needs the pre-allocated float KVCache (model.make_cache)")
@@ -111,7 +111,8 @@ def compiled_decoder(model: Model, cache: list[KVCache]) -> Callable[[mx.array],
     def decode(token: mx.array) -> mx.array:
         if cache[0].offset >= cache[0].max_size:
             raise ValueError(f"KV cache full: {cache[0].max_size} positions allocated")
-        out = compiled(token, mx.array(cache[0].offset, dtype=mx.int32), *(b for c in cache for b in (c.keys, c.values)))
+        buffers = (b for c in cache for b in (c.keys, c.values))
+        out = compiled(token, mx.array(cache[0].offset, dtype=mx.int32), *buffers)
         for i, c in enumerate(cache):
             c.keys, c.values = out[1 + 2 * i], out[2 + 2 * i]
             c.offset += 1
