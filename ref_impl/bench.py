@@ -33,7 +33,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from . import blas, gguf
-from .generate import Sampler, compiled_decoder, decode_one_token, generate_step, prefill
+from .generate import Sampler, decoder, generate_step, prefill
 from .model import Model, ModelArgs, load_model
 
 
@@ -435,7 +435,7 @@ def _host_split(model: Model, prompt: list[int], steps: int = 16, compiled: bool
     kernel on this thread) and waiting for the token ("wait"). Pipelined decode overlaps build + submit of
     step t+1 with the GPU's step t, so a step costs about max(build + submit, GPU)."""
     cache = model.make_cache(len(prompt) + steps + 3)
-    step = compiled_decoder(model, cache) if compiled else lambda t: decode_one_token(model, t, cache)
+    step = decoder(model, cache, compiled)
     y = mx.argmax(prefill(model, mx.array([prompt]), cache), axis=-1)
     y = mx.argmax(step(y), axis=-1)       # compiled: the trace, outside the timing
     mx.eval(y)

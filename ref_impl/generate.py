@@ -120,13 +120,18 @@ def compiled_decoder(model: Model, cache: list[KVCache]) -> Callable[[mx.array],
     return decode
 
 
+def decoder(model: Model, cache: list[KVCache], compiled: bool = False) -> Callable[[mx.array], mx.array]:
+    """The decode step for `cache`, token (B,) -> logits (B, V): decode_one_token, or compiled_decoder."""
+    return compiled_decoder(model, cache) if compiled else lambda t: decode_one_token(model, t, cache)
+
+
 def generate_step(model: Model, prompt: list[int], sampler: Sampler, cache: list[KVCache],
                   pipeline: bool = False, compiled: bool = False) -> Iterator[int]:
     """Yield token ids one at a time, forever; the caller stops it. compiled: decode through
     compiled_decoder (the prompt itself runs uncompiled)."""
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token (e.g. BOS)")
-    step = compiled_decoder(model, cache) if compiled else lambda t: decode_one_token(model, t, cache)
+    step = decoder(model, cache, compiled)
     y = sampler(prefill(model, mx.array([prompt]), cache))
     mx.async_eval(y)
     while True:

@@ -731,11 +731,11 @@ def count_kernels(model: nn.Module, context: int = 8, compiled: bool = False) ->
     """Compute primitives in the graph of one decode step (views excluded): about the kernels MLX
     launches per token on this device (a fused or compiled primitive counts once; compiled: the step as
     generate.compiled_decoder runs it)."""
-    from .generate import compiled_decoder, decode_one_token
+    from .generate import decoder
 
     cache = model.make_cache(context + 2)
     mx.eval(model(mx.zeros((1, context), dtype=mx.int32), cache))
-    step = compiled_decoder(model, cache) if compiled else lambda t: decode_one_token(model, t, cache)
+    step = decoder(model, cache, compiled)
     mx.eval(step(mx.zeros((1,), dtype=mx.int32)))         # compiled: traced here, so the count sees the replay
     logits = step(mx.zeros((1,), dtype=mx.int32))
     with tempfile.TemporaryDirectory() as d:
