@@ -17,11 +17,12 @@ chromium:
 	  else echo "note: tests/test_book.py needs Chromium: apt-get install chromium, or set CHROMIUM=/path/to/chromium"; fi; fi
 
 $(VENV)/.installed: requirements.txt pyproject.toml
-	@# OpenBLAS (cmeel-openblas) needs the Fortran runtime; Debian/Ubuntu ship it as libgfortran5
-	@if [ "$$(uname)" = Linux ] && ! ldconfig -p | grep -q 'libgfortran.so.5 '; then \
+	@# MLX's CPU backend on Linux gets the system OpenBLAS, built for every CPU of its architecture
+	@# (ref_impl/blas.py); Debian/Ubuntu ship it as libopenblas0-pthread
+	@if [ "$$(uname)" = Linux ] && ! ldconfig -p | grep -qE 'libopenblasp?\.so\.0 '; then \
 	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
-	    apt-get update -qq && apt-get install -y -qq --no-install-recommends libgfortran5; \
-	  else echo "note: install libgfortran5 for the fast BLAS (MLX falls back to its slow reference BLAS)"; fi; fi
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libopenblas0-pthread; \
+	  else echo "note: install OpenBLAS (apt-get install libopenblas0-pthread; dnf install openblas-threads), or MLX keeps its slow reference BLAS"; fi; fi
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# llama-cpp-python builds llama.cpp from source (several minutes on 2 cores)

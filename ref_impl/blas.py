@@ -4,18 +4,27 @@ The ``mlx[cpu]`` wheel for Linux links the netlib *reference* BLAS/LAPACK
 (a few GFLOP/s for float32 GEMM). ``libmlx.so`` imports plain LP64 symbols
 (``cblas_sgemm``, ``sgesdd_``, ...), so a library exporting the same names that
 is loaded into the global symbol scope *before* ``import mlx`` wins the symbol
-lookup. We use the OpenBLAS of the ``cmeel-openblas`` wheel, which needs the
-system ``libgfortran.so.5`` (Debian/Ubuntu: ``apt-get install libgfortran5``).
+lookup. We load the system's OpenBLAS built with ``DYNAMIC_ARCH``: one library
+holding kernels for every CPU of its architecture, chosen when it loads, so it
+runs on any x86-64 or aarch64 machine (Debian/Ubuntu: ``libopenblas0-pthread``,
+which ``make setup`` installs; Fedora: ``openblas-threads``).
 
-Set ``REF_IMPL_BLAS=reference`` to keep MLX's bundled reference BLAS.
+An OpenBLAS older than the CPU it runs on does not recognise it and falls back to
+its oldest kernels (Debian 12's 0.3.21 picks SSE3 "Prescott" on a 2023 Xeon); then
+we reload it with the newest kernels the CPU's flags allow (``OPENBLAS_CORETYPE``).
+
+``REF_IMPL_BLAS=reference`` keeps MLX's bundled reference BLAS;
+``REF_IMPL_BLAS=/path/to/libopenblas.so`` loads that library instead.
 """
 
 from __future__ import annotations
 
+import _ctypes
 import contextlib
 import ctypes
-import importlib.metadata
+import ctypes.util
 import os
+import platform
 import re
 import sys
 import warnings
@@ -26,24 +35,18 @@ ENV_VAR = "REF_IMPL_BLAS"
 BLAS_INFO: str | None = None
 _loaded: str | None = None
 
-# cmeel-openblas is built for one CPU (DYNAMIC_ARCH=OFF): the /proc/cpuinfo flags
-# each build target needs, so that a wrong CPU falls back instead of dying of SIGILL.
+# A build without DYNAMIC_ARCH runs one CPU's kernels: the /proc/cpuinfo flags each target
+# needs, so that a library built for another CPU falls back instead of dying of SIGILL.
+_AVX512 = {"avx2", "fma", "avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}
 _TARGET_FLAGS = {
-    "SKYLAKEX": {"avx2", "fma", "avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"},
-    "COOPERLAKE": {"avx2", "fma", "avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"},
+    "SKYLAKEX": _AVX512, "COOPERLAKE": _AVX512 | {"avx512_bf16"},
+    "SAPPHIRERAPIDS": _AVX512 | {"avx512_bf16", "amx_tile"},
     "HASWELL": {"avx2", "fma"}, "ZEN": {"avx2", "fma"},
     "NEOVERSEN2": {"asimd", "sve", "sve2", "bf16"}, "NEOVERSEN1": {"asimd"}, "ARMV8": set(),
 }
-
-
-def _find_openblas() -> tuple[str, str]:
-    """Return (library path, ``openblas_config`` line of its .pc file) from the installed wheel."""
-    dist = importlib.metadata.distribution("cmeel-openblas")  # PackageNotFoundError if absent
-    files = {f.name: f for f in dist.files or ()}
-    lib = str(dist.locate_file(files["libopenblas.so.0"]))
-    pc = dist.locate_file(files["openblas.pc"]).read_text() if "openblas.pc" in files else ""
-    config = next((line for line in pc.splitlines() if line.startswith("openblas_config=")), "")
-    return lib, config
+# OpenBLAS cores (openblas_get_corename) with AVX2+FMA float32 kernels; any other core on a CPU
+# that has AVX2 and FMA is the fallback of an OpenBLAS that did not recognise the CPU.
+_AVX2_CORES = {"haswell", "zen", "skylakex", "cooperlake", "sapphirerapids"}
 
 
 def _cpu_flags() -> set[str]:
@@ -54,6 +57,21 @@ def _cpu_flags() -> set[str]:
             if key.strip() in ("flags", "Features"):
                 return set(value.split())
     return set()
+
+
+def best_x86_core(flags: set[str]) -> str | None:
+    """The OpenBLAS core name (``OPENBLAS_CORETYPE``) with the widest float32 kernels these x86
+    CPU flags can run, or None where no AVX2 kernels can (then OpenBLAS's own choice stands)."""
+    if _AVX512 <= flags:
+        return "SkylakeX"
+    if {"avx2", "fma"} <= flags:
+        return "Haswell"
+    return None
+
+
+def _find_openblas() -> str | None:
+    """Path or soname of the system OpenBLAS (the pthreads build first, as Fedora names it)."""
+    return next(filter(None, map(ctypes.util.find_library, ("openblasp", "openblas"))), None)
 
 
 def _sgemm_works(lib: ctypes.CDLL) -> bool:
@@ -68,12 +86,28 @@ def _sgemm_works(lib: ctypes.CDLL) -> bool:
     return list(c) == [7.0, -1.0, 16.0, -1.0]
 
 
-def load_optimized_blas() -> str | None:
-    """Load cmeel-openblas into the global symbol scope so MLX's CPU backend uses it.
+def _open(path: str, coretype: str | None = None) -> tuple[ctypes.CDLL, str, str]:
+    """Load ``path`` privately (RTLD_LOCAL: tested before MLX can see it), with OpenBLAS's
+    ``OPENBLAS_CORETYPE`` set to ``coretype`` while it initialises; return (lib, config, core)."""
+    saved = os.environ.get("OPENBLAS_CORETYPE")
+    if coretype:
+        os.environ["OPENBLAS_CORETYPE"] = coretype
+    try:
+        lib = ctypes.CDLL(path, mode=os.RTLD_LOCAL)
+    finally:
+        if coretype:            # OpenBLAS reads it once, at load: leave the environment as it was
+            os.environ.pop("OPENBLAS_CORETYPE") if saved is None else os.environ.update(OPENBLAS_CORETYPE=saved)
+    lib.openblas_get_config.restype = lib.openblas_get_corename.restype = ctypes.c_char_p
+    return lib, lib.openblas_get_config().decode().strip(), lib.openblas_get_corename().decode()
 
-    Call before ``mlx`` is imported. Returns a description (path, version/config,
-    kernel, threads) or None; the reason for None is kept in ``BLAS_INFO``.
-    Honours ``REF_IMPL_BLAS=reference`` (disable) and ``OPENBLAS_NUM_THREADS``.
+
+def load_optimized_blas() -> str | None:
+    """Load an optimized BLAS into the global symbol scope so MLX's CPU backend uses it.
+
+    Call before ``mlx`` is imported. Returns a description (version/config, kernels,
+    threads, path) or None; the reason for None is kept in ``BLAS_INFO``.
+    Honours ``REF_IMPL_BLAS`` (``reference``, or a library path), ``OPENBLAS_CORETYPE``
+    and ``OPENBLAS_NUM_THREADS``.
     """
     global BLAS_INFO, _loaded
     if _loaded:
@@ -83,37 +117,47 @@ def load_optimized_blas() -> str | None:
         global BLAS_INFO
         BLAS_INFO = f"not loaded: {reason}"
 
-    if os.environ.get(ENV_VAR, "").strip().lower() in ("reference", "off", "0", "none"):
-        return skip(f"disabled by {ENV_VAR}={os.environ[ENV_VAR]}")
+    choice = os.environ.get(ENV_VAR, "").strip()
+    if choice.lower() in ("reference", "off", "0", "none"):
+        return skip(f"disabled by {ENV_VAR}={choice}")
     if not sys.platform.startswith("linux"):
         return skip(f"not needed on {sys.platform}")
     if "mlx.core" in sys.modules:
         warnings.warn("ref_impl.blas: mlx is already imported; MLX keeps its reference BLAS",
                       RuntimeWarning, stacklevel=2)
         return skip("mlx was imported first")
+    path = choice or _find_openblas()
+    if path is None:
+        return skip("no system OpenBLAS found (Debian/Ubuntu: apt-get install libopenblas0-pthread; "
+                    "Fedora: dnf install openblas-threads)")
     try:
-        path, config = _find_openblas()
-    except (importlib.metadata.PackageNotFoundError, KeyError):
-        return skip("cmeel-openblas is not installed")
-    if not re.search(r"DYNAMIC_ARCH=(ON|1)\b", config):
-        target = next((t for t in _TARGET_FLAGS if f" {t} " in config), None)
-        if target is None or not _TARGET_FLAGS[target] <= _cpu_flags():
-            return skip(f"OpenBLAS built for {target or 'an unknown CPU'}; this CPU lacks "
-                        f"{sorted(_TARGET_FLAGS.get(target, {'?'}) - _cpu_flags())}")
-    try:
-        lib = ctypes.CDLL(path, mode=os.RTLD_LOCAL)  # private first: test before exposing it
+        lib, config, core = _open(path)
     except OSError as e:
-        hint = " (install it: apt-get install libgfortran5)" if "libgfortran" in str(e) else ""
-        return skip(f"{e}{hint}")
-    lib.openblas_get_config.restype = lib.openblas_get_corename.restype = ctypes.c_char_p
-    version = lib.openblas_get_config().decode()
-    if "USE64BITINT" in version:
-        return skip(f"{path} is ILP64 ({version}); MLX calls the LP64 interface")
+        return skip(f"cannot load {path}: {e}")
+    except AttributeError:
+        return skip(f"{path} is not OpenBLAS (no openblas_get_config)")
+    why = "chosen by OpenBLAS for this CPU"
+    flags = _cpu_flags()
+    if "DYNAMIC_ARCH" not in config:
+        target = next((t for t in _TARGET_FLAGS if re.search(rf"\b{t}\b", config.upper())), None)
+        if target is None or not _TARGET_FLAGS[target] <= flags:
+            return skip(f"{path} is built for {target or 'an unknown CPU'} only ({config}); this CPU lacks "
+                        f"{sorted(_TARGET_FLAGS.get(target, {'?'}) - flags)}")
+        why = f"the only kernels of this {target} build"
+    elif "OPENBLAS_CORETYPE" in os.environ:
+        why = f"OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']}"
+    elif platform.machine() == "x86_64" and core.lower() not in _AVX2_CORES and best_x86_core(flags):
+        detected, best = core, best_x86_core(flags)
+        _ctypes.dlclose(lib._handle)    # unloaded (nothing else holds it), so the reload re-initialises
+        lib, config, core = _open(path, best)
+        why = f"forced: OpenBLAS {config.split()[1]} took this CPU for {detected}; its flags allow {best}"
+    if "USE64BITINT" in config:
+        return skip(f"{path} is ILP64 ({config}); MLX calls the LP64 interface")
     if not _sgemm_works(lib):
         return skip(f"{path}: cblas_sgemm self-test gave wrong results")
     ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL)  # promote to the global scope
-    _loaded = BLAS_INFO = (f"{version.strip()} (core {lib.openblas_get_corename().decode()}, "
-                           f"{lib.openblas_get_num_threads()} threads) from {path}")
+    _loaded = BLAS_INFO = (f"{config} (kernels {core}: {why}; threads: {lib.openblas_get_num_threads()}) "
+                           f"from {os.path.realpath(path) if os.path.isabs(path) else path}")
     return _loaded
 
 

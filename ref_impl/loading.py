@@ -116,6 +116,7 @@ class Throughput:
     seconds: float          # fastest single call
     gb_per_s: float         # buffer_bytes / seconds / 1e9
     float32_aligned: bool   # the address is a multiple of 4 (numpy's `flags.aligned`)
+    rounds: int = 1         # interleaved rounds timed; `seconds` is the fastest
 
 
 def _address(a) -> int:
@@ -203,7 +204,7 @@ def _time_group(backend: str, op: str, size: int, views: dict, budget_s: float,
             best[off] = min(best[off], (time.perf_counter() - t0) / reps[off])
         rounds += 1
     return [Throughput(backend, op, size, off, _address(views[off]) % LINE, best[off], size / best[off] / 1e9,
-                       _address(views[off]) % 4 == 0) for off in fns]
+                       _address(views[off]) % 4 == 0, rounds) for off in fns]
 
 
 # ---- mmap vs read ------------------------------------------------------------------------------------

@@ -404,10 +404,18 @@ def test_summary_names_every_choice_and_counts_ours():
     assert lines[2].endswith(": mlx built-in [mlx built-in 5.0 us]") and lines[3].endswith("glu 14336x4096 rows 1 (x32): unfused")
 
 
-def test_count_kernels_of_a_compiled_step_is_smaller():
-    # mx.compile fuses the step's elementwise operations: fewer primitives, none added
+def compile_adds_primitives() -> bool:
+    """What mx.compile does to a decode step's primitive count on this backend. On the CPU it fuses the
+    elementwise operations of RMSNorm, RoPE and attention's fallbacks: fewer primitives. On CUDA those are
+    single mx.fast primitives already, and the compiled step has more (743 vs 583 for the 8B shape,
+    measured on an H200 with MLX 0.32.4): the chapter says so, and these tests hold it to that."""
+    return kernels.on_cuda()
+
+
+def test_count_kernels_of_a_compiled_step_changes_as_the_backend_does():
     model, _ = load(SHIPPED)
-    assert kernels.count_kernels(model, compiled=True) < kernels.count_kernels(model)
+    compiled, plain = kernels.count_kernels(model, compiled=True), kernels.count_kernels(model)
+    assert compiled > plain if compile_adds_primitives() else compiled < plain, (compiled, plain)
 
 
 def test_count_kernels_grows_linearly_with_layers():
@@ -418,10 +426,13 @@ def test_count_kernels_grows_linearly_with_layers():
 
 
 @off_cuda_only
-def test_bench_kernels_off_cuda_is_one_skipped_record(tmp_path):
-    t0 = time.perf_counter()
+def test_bench_kernels_off_cuda_is_one_skipped_record(tmp_path, monkeypatch):
+    def measured(*_):
+        raise AssertionError("off CUDA, bench --kernels measures nothing")
+
+    monkeypatch.setattr(bench, "memory_bandwidth", measured)
     records = bench_kernels("Llama-3.1-8B", args_for("Llama-3.1-8B"), ["Q4_K"], tmp_path)
-    assert time.perf_counter() - t0 < 5 and len(records) == 1
+    assert len(records) == 1 and not any(tmp_path.iterdir())
     assert records[0]["metric"] == "skipped" and "needs MLX's CUDA backend" in records[0]["note"]
 
 
@@ -430,6 +441,7 @@ def test_bench_kernels_quick_flow_with_stand_in_kernels(tmp_path):
     variant (compiled or not) is timed and its tokens match MLX's built-ins exactly."""
     from ref_impl.model import ModelArgs
 
+    cuda = compile_adds_primitives()   # (stand-ins are several primitives each: not counted)
     saved = kernels._runner, kernels.on_cuda
     kernels._runner, kernels.on_cuda = StandIn(), (lambda: True)
     try:
@@ -445,7 +457,7 @@ def test_bench_kernels_quick_flow_with_stand_in_kernels(tmp_path):
     parts = {(r["variant"], r["part"]) for r in records if r["experiment"] == "decode-breakdown"}
     assert {(v, "host_build") for v in bench.DECODE_VARIANTS} <= parts
     count = {r["variant"]: r["value"] for r in records if r["metric"] == "kernels_per_token"}
-    assert count["native+compiled"] < count["native"]        # (stand-ins are several primitives: not counted)
+    assert (count["native+compiled"] > count["native"] if cuda else count["native+compiled"] < count["native"]), count
     assert not [r for r in records if r["experiment"] == "gemv"]          # quick: no per-matrix sweep
 
 

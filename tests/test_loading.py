@@ -1,11 +1,10 @@
 """gguf.layout against llama.cpp's own reader (gguf-py's GGUFReader offsets), and the load and
-throughput measurements of ref_impl.loading: they run, cap their time, and return sane fields."""
+throughput measurements of ref_impl.loading: they run, stop after their budget of rounds, and return sane fields."""
 
 from __future__ import annotations
 
 import math
 import os
-import time
 
 import gguf as gguf_py
 import numpy as np
@@ -106,9 +105,10 @@ def test_hexdump_shows_offsets_hex_and_ascii():
 # ---- measurements ---------------------------------------------------------------------------------
 
 def test_throughput_sweep_returns_every_offset_with_units_and_keeps_its_budget():
-    t0 = time.perf_counter()
+    # no budget left: the three rounds every timing takes at least, no more
+    assert {r.rounds for r in loading.throughput_sweep(offsets=(0, 4), sizes=(64 * 1024,), budget_s=0)} == {3}
     rows = loading.throughput_sweep(offsets=(0, 1, 4, 32), sizes=(64 * 1024,), budget_s=0.5)
-    assert time.perf_counter() - t0 < 10
+    assert all(r.rounds >= 3 for r in rows)
     got = {(r.backend, r.op, r.offset_bytes) for r in rows}
     assert got == {(b, op, o) for b in ("numpy", "mlx") for op in ("sum", "gemv") for o in (0, 1, 4, 32)
                    if not (b == "mlx" and o % 4)}                      # MLX cannot view at 1 byte
@@ -139,7 +139,7 @@ def test_measure_load_reports_time_and_resident_memory(tmp_path, method):
     for cache in ("cold", "warm") if hasattr(os, "posix_fadvise") else ("warm",):
         t = loading.measure_load(path, method, cache)
         assert t.method == method and t.cache == cache and math.isclose(t.file_mb, os.path.getsize(path) / 1e6)
-        assert 0 < t.open_s < 10 and 0 < t.first_pass_s < 10
+        assert t.open_s > 0 and t.first_pass_s > 0
         if os.path.exists("/proc/self/status"):
             if method == "mmap":      # the map costs nothing until read, then file-backed pages
                 assert t.rss_open_mb < 0.5 * t.file_mb and t.file_pass_mb > 0.8 * t.file_mb
