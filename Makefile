@@ -25,8 +25,14 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	  else echo "note: install OpenBLAS (apt-get install libopenblas0-pthread; dnf install openblas-threads), or MLX keeps its slow reference BLAS"; fi; fi
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	# llama-cpp-python builds llama.cpp from source (several minutes on 2 cores)
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc 2>/dev/null || echo 2) $(BIN)/python -m pip install -r requirements.txt
+	@# llama-cpp-python builds llama.cpp from source (about 5 minutes on 2 cores), first and on its own:
+	@# GGML_NATIVE=OFF builds ggml's portable x86-64 kernels (AVX2, FMA, F16C) rather than -march=native,
+	@# which on a virtual CPU that advertises AMX it cannot run dies of an illegal instruction; no pip
+	@# cache, because a wheel built elsewhere with other flags would be taken from it unseen; no mtmd
+	@# (LLAVA_BUILD: the multimodal library, which nothing here loads)
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc 2>/dev/null || echo 2) \
+	  $(BIN)/python -m pip install --no-cache-dir $$(grep '^llama-cpp-python==' requirements.txt)
+	$(BIN)/python -m pip install -r requirements.txt
 	@# ref_impl importable from anywhere in the venv (notebooks run in book/)
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $@
