@@ -580,7 +580,7 @@ def check_c11(live: bool) -> Verdict:
                "of the F16 bytes")
     source = "llama.cpp tools/quantize/quantize.cpp (published table)"
     quant = {(m["label"], r["weights"], r["metric"], r.get("variant")): r["value"]
-             for _, m, r in bench.read_results("quant") if r["peer"] is None and r["model"] == SHIPPED_MODEL.stem}
+             for _, m, r in bench.read_results("quant", RESULTS_DIR) if r["peer"] is None and r["model"] == SHIPPED_MODEL.stem}
     ppl = {(label, w): v for (label, w, metric, _), v in quant.items() if metric == "heldout_perplexity"}
     label = next((lab for lab, w in ppl if w == "Q4_K_M" and (lab, "F16") in ppl), None)
     if label:
@@ -592,7 +592,7 @@ def check_c11(live: bool) -> Verdict:
                     f"hold no 256-value super-block) costs {100 * (p4 / p16 - 1):+.2f}% perplexity in "
                     f"{100 * size:.0f}% of the F16 bytes")
         source = f"results/ (machine {label}); {source}"
-    shape = {(m["label"], r["weights"], r["metric"]): r["value"] for _, m, r in bench.read_results("decode-shape")}
+    shape = {(m["label"], r["weights"], r["metric"]): r["value"] for _, m, r in bench.read_results("decode-shape", RESULTS_DIR)}
     gpu = next((lab for lab, w, _ in shape if w == "Q4_K_M" and (lab, "F16", "tokens_per_s") in shape), None)
     if gpu:
         t16, t4 = shape[gpu, "F16", "tokens_per_s"], shape[gpu, "Q4_K_M", "tokens_per_s"]
@@ -905,7 +905,7 @@ def dispatch_records(experiment: str) -> dict[tuple[str, str | None, str | None,
     from . import bench
 
     return {(m["label"], r["model"], r.get("variant"), r["metric"]): r | {"backend": m["backend"]}
-            for _, m, r in bench.read_results(experiment) if r["peer"] is None}
+            for _, m, r in bench.read_results(experiment, RESULTS_DIR) if r["peer"] is None}
 
 
 def _sync_losses() -> dict[tuple[str, str], tuple[float, float, str]]:
@@ -1022,7 +1022,7 @@ def check_c31(live: bool) -> Verdict:
     per: dict[tuple[str, str], dict[int, float]] = {}
     backend = {}
 
-    for _, m, r in bench.read_results("kernel-latency"):
+    for _, m, r in bench.read_results("kernel-latency", RESULTS_DIR):
         if r["peer"] is None and r["metric"] == "per_op_us":
             per.setdefault((m["label"], r["variant"]), {})[r["elements"]] = r["value"]   # later files win
             backend[m["label"]] = m["backend"]
