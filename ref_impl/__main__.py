@@ -6,6 +6,7 @@
     python -m ref_impl train --preset stdlib-10m --out models/
     python -m ref_impl train --mtp models/stdlib-10m.gguf --out models/
     python -m ref_impl bench --model models/stdlib-10m.gguf
+    python -m ref_impl bench --quant-groups --label cpu-2core
     python -m ref_impl bench --link --label h200
     python -m ref_impl bench --unified --label h200
     python -m ref_impl bench --kernels --shape Llama-3.1-8B --weights Q4_K F16 --label h200
@@ -144,6 +145,11 @@ def cmd_bench(a: argparse.Namespace) -> None:
         elif a.unified:
             from .bench import bench_unified
             records = bench_unified(a.unified_max_bytes)
+        elif a.quant_groups:
+            from .bench import bench_quant_groups
+            if a.ppl_tokens <= 0:
+                raise ValueError("bench --quant-groups measures perplexity: --ppl-tokens must be positive")
+            records = bench_quant_groups(Path(a.model), "Q4_K", a.ppl_tokens)
         elif a.quant:
             records = bench_quant(Path(a.model), Path(work), a.quant, a.ppl_tokens, a.prompt_len, a.gen_tokens,
                                   a.repeats, peers=not a.no_peers)
@@ -258,7 +264,11 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--no-peers", action="store_true", help="skip mlx-lm and llama.cpp")
     b.add_argument("--quant", nargs="+", metavar="TYPE", choices=list(FILE_TYPES),
                    help="quantize --model to each llama.cpp file type: size, perplexity, decode speed")
-    b.add_argument("--ppl-tokens", type=int, default=16384, help="held-out tokens for --quant's perplexity (0: skip)")
+    b.add_argument("--quant-groups", action="store_true",
+                   help="held-out perplexity of --model with one group of matrices (attention, MLP, embedding) "
+                        "rounded through Q4_K at a time")
+    b.add_argument("--ppl-tokens", type=int, default=16384,
+                   help="held-out tokens for --quant's and --quant-groups' perplexity (0: skip --quant's)")
     b.add_argument("--shape", help="decode a random-weight model of this public shape, e.g. Llama-3.1-8B")
     b.add_argument("--weights", nargs="+", default=["F16", "Q4_K"], help="weight types for --shape")
     b.add_argument("--link", action="store_true",

@@ -300,6 +300,37 @@ def bench_quant(path: Path, work_dir: Path, file_types: Sequence[str] = QUANT_TY
     return records
 
 
+def bench_quant_groups(path: Path, type_name: str = "Q4_K", ppl_tokens: int = 16384) -> list[dict]:
+    """Held-out perplexity of the float model at `path` with one group of its matrices rounded through
+    `type_name` (quantize.MATRIX_GROUPS, then every matrix; the rest float32), and each group's float32
+    bytes: which layers mind the rounding, per weight. The same tokens for every group."""
+    from .quantize import MATRIX_GROUPS, simulate, tensor_kind
+    from .tokenizer import Tokenizer
+    from .train import heldout_stream, window_losses
+
+    with gguf.read(path) as f:
+        tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
+        name = f.metadata.get("general.name", path.stem)
+        context = ModelArgs.from_gguf(f.metadata, f.tensors).max_position_embeddings
+        matrices = {n: t.nbytes for n, t in f.tensors.items() if len(t.shape) == 2}
+    stream, fingerprint = heldout_stream(tokenizer)
+    groups = {"none (float32)": (), **MATRIX_GROUPS, "every matrix": tuple({tensor_kind(n) for n in matrices})}
+    records = []
+    for group, kinds in groups.items():
+        model = simulate(path, type_name, lambda n: tensor_kind(n) in kinds)
+        with blas.one_blas_thread():
+            losses = window_losses(model, stream, context, ppl_tokens, spread=True)
+        common = {"experiment": "quant-groups", "model": name, "weights": type_name, "kv": "f32", "context": context,
+                  "variant": group, "peer": None}
+        records.append({**common, "metric": "heldout_perplexity", "unit": "ppl", "value": math.exp(losses.mean()),
+                        "samples": [], "tokens": len(losses) * context, "corpus_sha256": fingerprint})
+        records.append({**common, "metric": "window_loss", "unit": "nats", "value": float(losses.mean()),
+                        "samples": losses.tolist()})      # per window, the same windows for every group
+        records.append({**common, "metric": "matrix_bytes", "unit": "B", "samples": [],
+                        "value": sum(b for n, b in matrices.items() if tensor_kind(n) in kinds)})
+    return records
+
+
 def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float]:
     """MLX's own memory bandwidth on the default device, in GB/s: a copy (x + 1: reads and writes every
     byte once, as STREAM's Copy) and a read (a sum). The roof a decode step's weight reads run against."""

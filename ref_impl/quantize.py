@@ -179,6 +179,17 @@ def relative_error(x: np.ndarray, type_name: str) -> float:
     return float(np.sqrt(np.mean((roundtrip(x, type_name) - x) ** 2) / np.mean(x ** 2)))
 
 
+#: Groups of matrices by tensor kind, each rounded on its own to see which layers mind it (see k-quants).
+MATRIX_GROUPS = {"attention projections": ("attn_q", "attn_k", "attn_v", "attn_output"),
+                 "MLP": ("ffn_gate", "ffn_up", "ffn_down"),
+                 "embedding (also the output matrix)": ("token_embd",)}
+
+
+def tensor_kind(name: str) -> str:
+    """The kind of a GGUF tensor: "attn_q" for "blk.3.attn_q.weight", "token_embd" for "token_embd.weight"."""
+    return name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]
+
+
 def simulate(path: str | os.PathLike, type_name: str, select=lambda name: True):
     """The float model at `path` with the matrices whose GGUF names `select` accepts replaced by their
     round trip through `type_name` (float32 weights): isolates what one format does to chosen layers."""

@@ -156,11 +156,12 @@ def loss_fn(model: Model, x: mx.array, y: mx.array) -> mx.array:
     return nn.losses.cross_entropy(model(x), y, reduction="mean")
 
 
-def mean_loss(model: Model, stream: np.ndarray, context: int, max_tokens: int = 0,
-              batch: int = 16, spread: bool = False) -> float:
-    """Mean next-token loss (nats) over non-overlapping windows of a token stream: consecutive ones
+def window_losses(model: Model, stream: np.ndarray, context: int, max_tokens: int = 0,
+                  batch: int = 16, spread: bool = False) -> np.ndarray:
+    """Mean next-token loss (nats) of each non-overlapping window of a token stream: consecutive ones
     from the start, or (spread=True) as many spaced evenly over the whole stream, so a short
-    evaluation samples every part of it rather than its first files."""
+    evaluation samples every part of it rather than its first files. Per window, so that two models
+    scored on the same windows can be compared pair by pair."""
     n = (min(len(stream) - 1, max_tokens or len(stream))) // context
     if n == 0:
         raise ValueError(f"the stream ({len(stream)} tokens) is shorter than one window ({context})")
@@ -168,13 +169,18 @@ def mean_loss(model: Model, stream: np.ndarray, context: int, max_tokens: int = 
         starts = np.linspace(0, (len(stream) - 1) // context - 1, n).astype(np.int64) * context
     else:
         starts = np.arange(n) * context
-    total = 0.0
+    losses = []
     for i in range(0, n, batch):
         windows = stream[starts[i:i + batch, None] + np.arange(context + 1)]
-        loss = nn.losses.cross_entropy(model(mx.array(windows[:, :-1])), mx.array(windows[:, 1:]),
-                                       reduction="sum")
-        total += loss.item()
-    return total / (n * context)
+        loss = nn.losses.cross_entropy(model(mx.array(windows[:, :-1])), mx.array(windows[:, 1:]))
+        losses.append(np.array(loss.astype(mx.float32).mean(axis=1)))
+    return np.concatenate(losses)
+
+
+def mean_loss(model: Model, stream: np.ndarray, context: int, max_tokens: int = 0,
+              batch: int = 16, spread: bool = False) -> float:
+    """Mean next-token loss (nats) over the windows of `window_losses` (all of one length)."""
+    return float(np.mean(window_losses(model, stream, context, max_tokens, batch, spread)))
 
 
 def train(cfg: TrainConfig, out_dir: Path, progress: bool = True) -> dict:

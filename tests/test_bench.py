@@ -152,3 +152,28 @@ def test_a_failing_llama_bench_becomes_one_error_record(tmp_path, body, message)
 def test_a_missing_llama_bench_binary_is_named(tmp_path):
     recs = bench.llama_bench_records(tmp_path / "nope", tmp_path / "m.gguf", {}, 128, 128, 3)
     assert recs[0]["metric"] == "peer_error" and "did not run" in recs[0]["note"]
+
+
+def test_bench_quant_groups_scores_each_group_on_the_same_windows(shipped_model):
+    from ref_impl.quantize import MATRIX_GROUPS
+    from ref_impl.tokenizer import Tokenizer
+    from ref_impl.train import heldout_stream, mean_loss
+
+    records = bench.bench_quant_groups(shipped_model, "Q4_K", ppl_tokens=1024)
+    by = {(r["variant"], r["metric"]): r for r in records}
+    groups = ["none (float32)", *MATRIX_GROUPS, "every matrix"]
+    assert [v for v, m in by if m == "window_loss"] == groups
+    with gguf.read(shipped_model) as f:
+        matrix_bytes = sum(t.nbytes for t in f.tensors.values() if len(t.shape) == 2)
+        float_loss = mean_loss(load_model(f, mx.float32), heldout_stream(Tokenizer.from_gguf_metadata(f.metadata))[0],
+                               512, 1024, spread=True)
+    # the groups split the matrices (the output matrix is the tied embedding): nothing counted twice or left out
+    assert sum(by[g, "matrix_bytes"]["value"] for g in MATRIX_GROUPS) == by["every matrix", "matrix_bytes"]["value"] \
+        == matrix_bytes and by["none (float32)", "matrix_bytes"]["value"] == 0
+    for g in groups:
+        losses = by[g, "window_loss"]["samples"]
+        assert len(losses) == 2 and by[g, "window_loss"]["value"] == pytest.approx(sum(losses) / 2)
+        assert by[g, "heldout_perplexity"]["value"] == pytest.approx(math.exp(by[g, "window_loss"]["value"]))
+        assert by[g, "heldout_perplexity"]["tokens"] == 1024
+    assert by["none (float32)", "window_loss"]["value"] == pytest.approx(float_loss, rel=1e-6)
+    assert by["every matrix", "window_loss"]["samples"] != by["none (float32)", "window_loss"]["samples"]

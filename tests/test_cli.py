@@ -224,6 +224,7 @@ BAD = [  # (id, arguments, a word the message must contain); "{text}" etc. name 
     ("bench-unknown-shape", ["bench", "--shape", "GPT-5"], "no Llama-architecture shape"),
     ("bench-kv-unknown-shape", ["bench", "--kv", "--shapes", "GPT-5"], "no Llama-architecture shape"),
     ("bench-kv-missing-model", ["bench", "--kv", "--model", "nope.gguf"], "no model file"),
+    ("bench-quant-groups-no-tokens", ["bench", "--quant-groups", "--ppl-tokens", "0"], "--ppl-tokens must be positive"),
 ]
 
 
