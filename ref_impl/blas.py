@@ -146,8 +146,8 @@ def load_optimized_blas() -> str | None:
         why = f"the only kernels of this {target} build"
     elif "OPENBLAS_CORETYPE" in os.environ:
         why = f"OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']}"
-    elif platform.machine() == "x86_64" and core.lower() not in _AVX2_CORES and best_x86_core(flags):
-        detected, best = core, best_x86_core(flags)
+    elif platform.machine() == "x86_64" and core.lower() not in _AVX2_CORES and (best := best_x86_core(flags)):
+        detected = core
         _ctypes.dlclose(lib._handle)    # unloaded (nothing else holds it), so the reload re-initialises
         lib, config, core = _open(path, best)
         why = f"forced: OpenBLAS {config.split()[1]} took this CPU for {detected}; its flags allow {best}"

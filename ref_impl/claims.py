@@ -520,9 +520,6 @@ _TABLE = [  # (id, chapter, short form, seed sentence verbatim); C01-C16 from SE
 ]
 # ---- K-quants (C11, C19) --------------------------------------------------------------------------
 
-ATTENTION = ("attn_q", "attn_k", "attn_v", "attn_output")
-MLP = ("ffn_gate", "ffn_up", "ffn_down")
-
 
 @functools.cache
 def kquant_errors() -> dict[str, dict[str, float]]:
@@ -534,7 +531,7 @@ def kquant_errors() -> dict[str, dict[str, float]]:
     with gguf.read(SHIPPED_MODEL) as f:
         for name, t in f.tensors.items():
             if len(t.shape) == 2 and name.startswith("blk."):
-                kind = name.split(".")[2]
+                kind = quantize.tensor_kind(name)
                 for fmt in ("Q4_K", "Q4_0"):
                     out.setdefault(kind, {}).setdefault(fmt, []).append(quantize.relative_error(f.array(name), fmt))
     return {k: {fmt: float(np.mean(v)) for fmt, v in d.items()} for k, d in out.items()}
@@ -542,9 +539,10 @@ def kquant_errors() -> dict[str, dict[str, float]]:
 
 def check_c19(live: bool) -> Verdict:
     """The block layout, counted; and Q4_K's error against Q4_0's at the same bits, per kind of matrix."""
-    from . import gguf
+    from . import gguf, quantize
 
     values, nbytes = gguf.BLOCK[gguf.GGMLType.Q4_K]
+    ATTENTION, MLP = quantize.MATRIX_GROUPS["attention projections"], quantize.MATRIX_GROUPS["MLP"]
     err = kquant_errors()
     gain = {k: 100 * (1 - e["Q4_K"] / e["Q4_0"]) for k, e in err.items()}
     attn, mlp = np.mean([gain[k] for k in ATTENTION]), np.mean([gain[k] for k in MLP])
@@ -580,7 +578,8 @@ def check_c11(live: bool) -> Verdict:
                "of the F16 bytes")
     source = "llama.cpp tools/quantize/quantize.cpp (published table)"
     quant = {(m["label"], r["weights"], r["metric"], r.get("variant")): r["value"]
-             for _, m, r in bench.read_results("quant", RESULTS_DIR) if r["peer"] is None and r["model"] == SHIPPED_MODEL.stem}
+             for _, m, r in bench.read_results("quant", RESULTS_DIR)
+             if r["peer"] is None and r["model"] == SHIPPED_MODEL.stem}
     ppl = {(label, w): v for (label, w, metric, _), v in quant.items() if metric == "heldout_perplexity"}
     label = next((lab for lab, w in ppl if w == "Q4_K_M" and (lab, "F16") in ppl), None)
     if label:
@@ -592,7 +591,8 @@ def check_c11(live: bool) -> Verdict:
                     f"hold no 256-value super-block) costs {100 * (p4 / p16 - 1):+.2f}% perplexity in "
                     f"{100 * size:.0f}% of the F16 bytes")
         source = f"results/ (machine {label}); {source}"
-    shape = {(m["label"], r["weights"], r["metric"]): r["value"] for _, m, r in bench.read_results("decode-shape", RESULTS_DIR)}
+    shape = {(m["label"], r["weights"], r["metric"]): r["value"]
+             for _, m, r in bench.read_results("decode-shape", RESULTS_DIR)}
     gpu = next((lab for lab, w, _ in shape if w == "Q4_K_M" and (lab, "F16", "tokens_per_s") in shape), None)
     if gpu:
         t16, t4 = shape[gpu, "F16", "tokens_per_s"], shape[gpu, "Q4_K_M", "tokens_per_s"]
