@@ -18,6 +18,7 @@ import functools
 import html
 import math
 import platform
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -1919,20 +1920,69 @@ def status_counts(rows: list[tuple[Claim, Verdict]]) -> dict[str, int]:
 COLOURS = {"confirmed": "#009E73", "qualified": "#E69F00", "refuted": "#D55E00",   # Okabe-Ito, as viz
            "not testable here": "#0072B2", "pending": "#777777"}
 
+# The book page (under book/, without suffix) that teaches each chapter's claims; the dispatch part has
+# four pages, so its claims name theirs. The ledger links every row to its page and the page back.
+CHAPTER_PAGES = {"roofline": "intro/roofline", "signalling": "signalling/gddr7-pam3",
+                 "interconnect": "signalling/thunderbolt-pcie", "gguf": "kquants/gguf-layout",
+                 "kquants": "kquants/super-blocks", "dispatch": "dispatch/command-buffers",
+                 "kv-cache": "kv-cache/kv-quantization", "speculative": "speculative/speculative-mtp"}
+PAGE_OF_CLAIM = {"C02": "dispatch/ttft-jitter", "C09": "dispatch/caching-workspaces",
+                 "C15": "dispatch/caching-workspaces", "C16": "dispatch/ttft-jitter",
+                 "C28": "dispatch/caching-workspaces"}
+
+
+def page_of(claim: Claim) -> str:
+    """The book page that checks `claim`, e.g. 'intro/roofline'."""
+    return PAGE_OF_CLAIM.get(claim.id) or CHAPTER_PAGES[claim.chapter]
+
+
+def first_sentence(text: str) -> str:
+    """The first sentence of a verdict's summary: the reason a reader scans for."""
+    head = re.split(r"(?<=[.;])\s+(?=[A-Z(])", text.strip(), maxsplit=1)[0]
+    return head.rstrip(";") + ("" if head.endswith(".") else ".")
+
+
+_LEDGER_CSS = """<style>
+table.claim-ledger {width: 100%; table-layout: fixed; border-collapse: collapse; font-size: 0.9em}
+table.claim-ledger th, table.claim-ledger td {vertical-align: top; padding: 6px 8px; overflow-wrap: anywhere}
+table.claim-ledger tbody tr {border-top: 1px solid #ddd}
+table.claim-ledger col.id {width: 4.5em} table.claim-ledger col.page {width: 8.5em}
+table.claim-ledger col.claim {width: 42%}
+table.claim-ledger .verdict {font-weight: bold; white-space: nowrap}
+table.claim-ledger details {margin-top: 4px; font-size: 0.92em}
+table.claim-ledger details dl {margin: 4px 0 0 0} table.claim-ledger details dd {margin-left: 1em}
+@media (max-width: 640px) {
+  table.claim-ledger colgroup {display: none}
+  table.claim-ledger thead {display: none}
+  table.claim-ledger tr, table.claim-ledger td {display: block; width: auto}
+  table.claim-ledger td {padding: 2px 6px}
+}
+</style>"""
+
 
 def ledger_html(rows: list[tuple[Claim, Verdict]]) -> str:
-    """The ledger as one escaped HTML table: id, chapter, claim (seed text folded), verdict, evidence, condition."""
+    """The ledger as one escaped HTML table a reader scans: one row per claim with its id, page, short
+    form, verdict and one-sentence reason; the full verdict, evidence, condition, source and seed text
+    one click away. Row ids (`claim-C04`) and page links let a chapter and the ledger point at each other:
+    the links are relative to a page one folder below book/, as every chapter and the ledger are."""
     e = html.escape
-    head = "".join(f"<th>{h}</th>" for h in ("Id", "Chapter", "Claim", "Verdict", "Evidence", "Condition"))
     body = []
     for c, v in rows:
-        evidence = "<br>".join(f"{e(k)}: <b>{e(str(n))}</b>" for k, n in v.evidence.items())
-        source = f"<br><i>Source: {e(v.source)}</i>" if v.source else ""
+        page = page_of(c)
+        evidence = "".join(f"<li>{e(k)}: <b>{e(str(n))}</b></li>" for k, n in v.evidence.items())
+        more = [("Verdict", e(v.summary))]
+        more += [("Evidence", f"<ul>{evidence}</ul>")] if evidence else []
+        more += [("Holds when", e(v.condition))] if v.condition else []
+        more += [("Source", e(v.source))] if v.source else []
+        more += [("Seed text", f"<q>{e(c.quote)}</q> ({e(c.seed)})")]
+        details = "".join(f"<dt>{k}</dt><dd>{d}</dd>" for k, d in more)
         body.append(
-            f"<tr id='claim-{c.id}'><td><b>{c.id}</b></td><td>{e(c.chapter)}</td><td>{e(c.short)}"
-            f"<details><summary>seed text</summary><q>{e(c.quote)}</q> ({e(c.seed)})</details></td>"
-            f"<td><b style='color:{COLOURS[v.status]}'>{e(v.status)}</b><br>{e(v.summary)}</td>"
-            f"<td>{evidence}{source}</td><td>{e(v.condition)}</td></tr>")
-    return (f"<style>table.claim-ledger td {{vertical-align: top}}</style>"
-            f"<table class='claim-ledger' style='font-size:0.85em'><thead><tr>{head}</tr></thead>"
-            f"<tbody>{''.join(body)}</tbody></table>")
+            f"<tr id='claim-{c.id}'><td><a href='../appendix/ledger.html#claim-{c.id}'><b>{c.id}</b></a></td>"
+            f"<td><a href='../{page}.html'>{e(page.split('/')[-1])}</a></td><td>{e(c.short)}</td>"
+            f"<td><span class='verdict' style='color:{COLOURS[v.status]}'>{e(v.status)}</span>: "
+            f"{e(first_sentence(v.summary))}"
+            f"<details><summary>evidence, condition, source</summary><dl>{details}</dl></details></td></tr>")
+    cols = "".join(f"<col class='{k}'>" for k in ("id", "page", "claim", "verdict"))
+    head = "".join(f"<th>{h}</th>" for h in ("Claim", "Page", "What it says", "Verdict and reason"))
+    return (f"{_LEDGER_CSS}<table class='claim-ledger'><colgroup>{cols}</colgroup>"
+            f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>")

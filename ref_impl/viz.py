@@ -1,9 +1,12 @@
 """viz: the figure builders every chapter uses, and the renderer that lets the static book draw them.
 
-One plotly template (`course`: Okabe-Ito colour-blind-safe palette, one font, white background), a
-few builders (`figure`, `line_chart`, `bar_chart`) whose axis titles must carry a unit in
+One plotly template (`course`: a colour-blind-safe palette of twelve, one font, white background,
+legends in rows below the plot, so it keeps its width on a phone), a few builders (`figure`, `line_chart`, `bar_chart`) whose axis titles must carry a unit in
 parentheses, e.g. "Batch size (tokens)", which the hover labels repeat, and two ways to explore a
 figure with no kernel behind it (`with_dropdown`, `with_slider`: both switch which traces are shown).
+`lint` lists what a figure does against these rules (a colour given to two series, a legend at the
+right, a log axis printing its minor ticks as lone digits); the book's browser test checks the drawn
+figures for the same and for their plot width.
 
 Rendering. In a kernel, plotly's default display is the `application/vnd.plotly.v1+json` mime type,
 which JupyterLab draws natively (plotly ships the jupyterlab-plotly extension) but Jupyter Book
@@ -14,7 +17,8 @@ which also puts plotly.min.js from the installed plotly on every page) it emits 
 myst-nb warns about every mime type it cannot render, even one it would not have picked.
 Importing this module registers the template and makes the renderer the default.
 
-References: plotly.py `plotly/io/_base_renderers.py` (HtmlRenderer); Okabe & Ito, "Color Universal
+References: Paul Tol, "Colour schemes" (2021, the "muted" scheme), https://personal.sron.nl/~pault/;
+plotly.py `plotly/io/_base_renderers.py` (HtmlRenderer); Okabe & Ito, "Color Universal
 Design" (2008), https://jfly.uni-koeln.de/color/.
 """
 
@@ -29,11 +33,15 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.io._base_renderers import MimetypeRenderer
 
-# Okabe-Ito, ordered so the first lines are the most distinct; their yellow is too pale on white.
-PALETTE = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000")
-DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot", "solid")
+# Okabe-Ito, ordered so the first lines are the most distinct (their yellow is too pale on white), then
+# five of Paul Tol's "muted" colours: twelve, and no figure may give one colour to two series.
+PALETTE = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000",
+           "#882255", "#332288", "#999933", "#44AA99", "#888888")
+DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot") * 2   # one per colour
+LOG_TICKS = ",~r"   # every tick on a log axis printed in full (20, 50, 100), not as a lone "2" or "5"
 FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, 'Helvetica Neue', Arial, sans-serif"
 HEIGHT = 460  # px; the width follows the page
+TITLE_CSS = f"font-family: {FONT}; font-size: 17px; font-weight: 600; color: #222; margin: 1em 0 0.2em 0"
 
 TEMPLATE = "course"
 RENDERER = "course"
@@ -55,32 +63,71 @@ def _template() -> go.layout.Template:
                 zeroline=False, automargin=True, title_standoff=8)
     return go.layout.Template(layout=dict(
         font=dict(family=FONT, size=14, color="#222"),
-        title=dict(font=dict(size=17), x=0, xanchor="left", xref="paper"),
+        # in live Jupyter the title sits above the plot and pushes the margin; the book draws it as
+        # HTML instead (CourseRenderer), where it wraps at any width
+        title=dict(font=dict(size=17), x=0, xanchor="left", xref="paper", yref="paper", automargin=True),
         colorway=list(PALETTE),
         paper_bgcolor="white", plot_bgcolor="white",
         xaxis=axis, yaxis=axis,
-        legend=dict(bgcolor="rgba(255,255,255,0.8)", title_text=""),
+        # below the plot, in rows: a legend at the right takes its width from the plot, and on a
+        # phone leaves it a sliver; in the container's coordinates it never meets the x-axis title
+        legend=dict(bgcolor="rgba(255,255,255,0.8)", title_text="", orientation="h",
+                    xref="container", x=0, xanchor="left", yref="container", y=0, yanchor="bottom"),
         hoverlabel=dict(font=dict(family=FONT, size=13)),
-        margin=dict(l=70, r=20, t=60, b=60),
+        margin=dict(l=70, r=20, t=40, b=60),
         height=HEIGHT,
     ))
 
 
 class CourseRenderer(MimetypeRenderer):
-    """Display a figure as an HTML div that draws it with the page's global `Plotly`, plus plotly
-    JSON for live Jupyter unless COURSE_BOOK_BUILD=1. No plotly.js is embedded, nothing is fetched."""
+    """Display a figure as its title in HTML, which wraps at any page width, above a div that draws
+    the rest with the page's global `Plotly`; plus plotly JSON, title included, for live Jupyter
+    unless COURSE_BOOK_BUILD=1. No plotly.js is embedded, nothing is fetched."""
 
     def __init__(self, config: dict | None = None):
         self.config = {"displaylogo": False, "responsive": True, **(config or {})}
 
     def to_mimebundle(self, fig_dict: dict) -> dict:
-        html = pio.to_html(fig_dict, config=self.config, include_plotlyjs=False, include_mathjax=False,
-                           full_html=False, default_width="100%", default_height=f"{HEIGHT}px",
-                           validate=False)
+        layout = dict(fig_dict.get("layout") or {})
+        title = dict(layout.pop("title", None) or {})
+        text = title.pop("text", None)
+        html = pio.to_html({**fig_dict, "layout": {**layout, "title": title}}, config=self.config,
+                           include_plotlyjs=False, include_mathjax=False, full_html=False,
+                           default_width="100%", default_height=f"{HEIGHT}px", validate=False)
+        if text:   # the title's own markup (<b>, <br>, <sup>) is plotly's subset of HTML: kept as written
+            html = f'<p class="course-figure-title" style="{TITLE_CSS}">{text}</p>\n{html}'
         if os.environ.get("COURSE_BOOK_BUILD") == "1":
             return {"text/html": html}
         spec = json.loads(pio.to_json(fig_dict, validate=False, remove_uids=False))
         return {"application/vnd.plotly.v1+json": {**spec, "config": self.config}, "text/html": html}
+
+
+def _trace_colour(trace) -> str | None:
+    for part in ("line", "marker"):
+        c = getattr(getattr(trace, part, None), "color", None)
+        if isinstance(c, str):
+            return c.lower()
+    return None
+
+
+def lint(fig: go.Figure) -> list[str]:
+    """The ways `fig` breaks the book's figure rules, found from the figure alone (an empty list when it
+    keeps them): two legend entries with one colour, a legend placed at the right of the plot, a log
+    axis without full tick labels."""
+    problems, owner = [], {}
+    for t in fig.data:
+        c = _trace_colour(t)
+        if not t.name or t.showlegend is False or c is None:
+            continue
+        if owner.setdefault(c, t.name) != t.name:
+            problems.append(f"{owner[c]!r} and {t.name!r} share the colour {c}")
+    legend = fig.layout.legend
+    if legend.orientation == "v" or (legend.x is not None and legend.x >= 1 and legend.xref != "container"):
+        problems.append("the legend sits at the right of the plot: leave its place to the template (below)")
+    for key, axis in fig.layout.to_plotly_json().items():
+        if re.match(r"[xy]axis\d*$", key) and axis.get("type") == "log" and not axis.get("tickformat"):
+            problems.append(f"{key} is a log axis without tickformat=viz.LOG_TICKS")
+    return problems
 
 
 def use_offline_renderer() -> None:
@@ -91,13 +138,22 @@ def use_offline_renderer() -> None:
     pio.renderers.default = RENDERER
 
 
+def colour(i: int, n: int | None = None) -> str:
+    """The i-th series' colour. Raises ValueError past the palette: a figure with more series than
+    colours would give two of them one colour; split it, or let a menu show some at a time."""
+    if not 0 <= i < len(PALETTE):
+        raise ValueError(f"series {i}{f' of {n}' if n else ''}: the palette has {len(PALETTE)} colours, and no "
+                         "two series of a figure may share one; split the figure or add a menu")
+    return PALETTE[i]
+
+
 def figure(title: str, x_title: str, y_title: str, log_x: bool = False, log_y: bool = False) -> go.Figure:
     """An empty figure in the course template. `title` states the point, not the subject; both axis
     titles carry their unit in parentheses."""
     split_unit(x_title), split_unit(y_title)
     fig = go.Figure(layout=dict(template=TEMPLATE, title_text=title))
-    fig.update_xaxes(title_text=x_title, type="log" if log_x else None)
-    fig.update_yaxes(title_text=y_title, type="log" if log_y else None)
+    fig.update_xaxes(title_text=x_title, **(dict(type="log", tickformat=LOG_TICKS) if log_x else {}))
+    fig.update_yaxes(title_text=y_title, **(dict(type="log", tickformat=LOG_TICKS) if log_y else {}))
     return fig
 
 
@@ -122,7 +178,7 @@ def line_chart(series: Mapping[str, tuple[Sequence[float], Sequence[float]]]
         i = style.setdefault(name, len(style))
         fig.add_trace(go.Scatter(
             x=list(x), y=list(y), name=name, legendgroup=name, mode="lines+markers" if markers else "lines",
-            line=dict(color=PALETTE[i % len(PALETTE)], dash=DASHES[i % len(DASHES)], width=2.5),
+            line=dict(color=colour(i), dash=DASHES[i], width=2.5),
             marker=dict(size=6), hovertemplate=hover))
     return fig
 
@@ -135,7 +191,7 @@ def bar_chart(categories: Sequence[str], series: Mapping[str, Sequence[float]], 
     hover = f"<b>%{{fullData.name}}</b><br>{xn}: %{{x}}<br>{yn}: %{{y{y_fmt}}} {yu}<extra></extra>"
     for i, (name, values) in enumerate(series.items()):
         fig.add_trace(go.Bar(x=list(categories), y=list(values), name=name,
-                             marker_color=PALETTE[i % len(PALETTE)], hovertemplate=hover))
+                             marker_color=colour(i, len(series)), hovertemplate=hover))
     fig.update_layout(barmode="group", bargap=0.25)
     return fig
 
@@ -162,11 +218,10 @@ def with_dropdown(fig: go.Figure, options: Mapping[str, Sequence[int]]) -> go.Fi
     masks = _visibility(fig, options)
     buttons = [dict(label=name, method="restyle", args=[{"visible": mask}])
                for name, mask in zip(options, masks)]
+    # on the plot's top edge, at the right; it pushes the top margin (the book draws the title above
+    # the figure, live Jupyter above the plot, where a long title may pass under the menu)
     fig.update_layout(updatemenus=[dict(buttons=buttons, direction="down", showactive=True,
-                                        x=1.0, xanchor="right", y=1.02, yanchor="bottom")],
-                      # the title hangs from the figure's top edge (two lines take ~55 px), the menu sits
-                      # on the plot's top edge: in a 130 px margin they never meet
-                      margin_t=130, title_y=0.93, title_yref="container", title_yanchor="top")
+                                        x=1.0, xanchor="right", y=1.02, yanchor="bottom")])
     return fig
 
 

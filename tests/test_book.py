@@ -9,10 +9,12 @@ Chromium is Debian's (`make setup` installs it when run as root); set CHROMIUM t
 
 from __future__ import annotations
 
+import ast
 import functools
 import http.server
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -61,6 +63,75 @@ def test_notebooks_are_stored_without_outputs(path):
                        "clear them before committing")
 
 
+# The chapter template (../shared/DESIGN.md, "The book"): every chapter has these second-level
+# sections, a heading's number aside ("## 4. Live: ..."), with the learning goals first and the further
+# reading last. A pattern matches the start of the heading, so a section can say more after a colon.
+TEMPLATE = {
+    "Learning goals": r"learning goals\b",
+    "Prerequisites": r"prerequisites\b",
+    "The idea": r"the idea\b",
+    "The engine at work": r"the engine at work\b",
+    "A live experiment": r"live\b",
+    "Recorded results": r"(recorded results|measured)\b",
+    "Claims checked": r"claims checked\b",
+    "Exercises": r"exercises\b",
+    "Further reading": r"further reading\b",
+}
+NOT_CHAPTERS = ("book/how-to-read", "book/appendix/")
+
+# Words from the making of the book, not from the course: no page and no printed output may use them.
+WORKSHOP_WORDS = (r"\blent\b", r"\bleases?\b", r"\bsessions?\b", r"\bdevice time\b", r"\boverran\b",
+                  r"NBVAL", r"\bunknown\b", r"\bTODO\b", r"\bFIXME\b", r"\bissue \d+",
+                  r"\bthe next this chapter needs\b")
+
+
+def chapters() -> list[Path]:
+    return [ROOT / f"{p}.ipynb" for p in toc_pages()
+            if (ROOT / f"{p}.ipynb").is_file() and not p.startswith(NOT_CHAPTERS)]
+
+
+def h2_headings(path: Path) -> list[str]:
+    """Second-level headings of a notebook's markdown cells, without their section numbers."""
+    cells = json.loads(path.read_text())["cells"]
+    lines = [line for c in cells if c["cell_type"] == "markdown" for line in "".join(c["source"]).splitlines()]
+    return [re.sub(r"^[\d.]+\s+", "", line[3:].strip()) for line in lines if line.startswith("## ")]
+
+
+@pytest.mark.parametrize("path", chapters(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_chapter_follows_the_template(path):
+    heads = h2_headings(path)
+    missing = [name for name, pat in TEMPLATE.items() if not any(re.match(pat, h, re.I) for h in heads)]
+    assert not missing, f"{path.relative_to(ROOT)} lacks the template's sections {missing}; its sections: {heads}"
+    assert re.match(TEMPLATE["Learning goals"], heads[0], re.I), f"the first section is {heads[0]!r}"
+    assert re.match(TEMPLATE["Further reading"], heads[-1], re.I), f"the last section is {heads[-1]!r}"
+
+
+@pytest.mark.parametrize("path", notebooks(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_cells_that_only_check_are_hidden_from_the_page(path):
+    """A cell of nothing but asserts is for nbval and the build, not the reader: tagged remove-cell."""
+    shown = []
+    for i, c in enumerate(json.loads(path.read_text())["cells"]):
+        if c["cell_type"] != "code" or "remove-cell" in c["metadata"].get("tags", []):
+            continue
+        try:
+            body = ast.parse("".join(c["source"])).body
+        except SyntaxError:           # IPython syntax (%magic): not a plain check
+            continue
+        if body and all(isinstance(node, ast.Assert) for node in body):
+            shown.append(i)
+    assert not shown, f"{path.relative_to(ROOT)}: cells {shown} only assert; tag them remove-cell"
+
+
+@pytest.mark.parametrize("path", notebooks(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_notebook_text_has_no_workshop_words(path):
+    """Markdown, and the strings code cells print; comments are for the code's readers and may say more."""
+    cells = json.loads(path.read_text())["cells"]
+    text = "\n".join("".join(c["source"]) if c["cell_type"] == "markdown" else
+                     "\n".join(re.findall(r"print\((.*)", "".join(c["source"]))) for c in cells)
+    found = sorted({m.group(0) for pat in WORKSHOP_WORDS for m in re.finditer(pat, text, re.I)})
+    assert not found, f"{path.relative_to(ROOT)} says {found}: words from the workshop, not the course"
+
+
 def test_viz_renderer_emits_html_for_the_book_and_json_for_jupyter(monkeypatch):
     from ref_impl import viz
 
@@ -79,6 +150,28 @@ def test_viz_renderer_emits_html_for_the_book_and_json_for_jupyter(monkeypatch):
     bars = viz.with_slider(viz.bar_chart(["a", "b"], {"x": [1, 2], "y": [3, 4]}, "B wins", "Case (name)",
                                          "Speed (tokens/s)"), {"x": [0], "y": [1]}, "Series: ")
     assert [t.visible for t in bars.data] == [True, False] and len(bars.layout.sliders[0].steps) == 2
+
+
+def test_viz_titles_wrap_as_html_and_figures_keep_the_rules(monkeypatch):
+    from ref_impl import viz
+
+    monkeypatch.setenv("COURSE_BOOK_BUILD", "1")
+    fig = viz.line_chart({"a": ([1, 10], [3, 4])}, "A rises & <b>falls</b>", "Time (s)", "Rate (tokens/s)",
+                         log_x=True)
+    page = viz.CourseRenderer().to_mimebundle(fig.to_dict())["text/html"]
+    assert page.startswith('<p class="course-figure-title"') and "A rises & <b>falls</b></p>" in page
+    assert '"text":"A rises' not in page.replace(" ", "")          # not drawn a second time inside the plot
+    assert viz.lint(fig) == [] and fig.layout.xaxis.tickformat == viz.LOG_TICKS
+    assert len(set(viz.PALETTE)) == len(viz.PALETTE) == len(viz.DASHES) == 12
+    many = {f"s{i}": ([0, 1], [i, i]) for i in range(len(viz.PALETTE) + 1)}
+    with pytest.raises(ValueError, match="palette has 12 colours"):
+        viz.line_chart(many, "Too many", "Time (s)", "Rate (tokens/s)")
+    bad = viz.figure("Bad", "Time (s)", "Rate (tokens/s)", log_y=True)
+    bad.add_scatter(x=[1], y=[1], name="one", line_color=viz.PALETTE[0])
+    bad.add_scatter(x=[1], y=[2], name="two", line_color=viz.PALETTE[0])
+    bad.update_layout(legend=dict(x=1.02, orientation="v"), yaxis_tickformat=None)
+    found = " | ".join(viz.lint(bad))
+    assert "'one' and 'two' share" in found and "right of the plot" in found and "yaxis is a log axis" in found
 
 
 @pytest.fixture(scope="module")
@@ -123,9 +216,9 @@ def browser():
 class PageVisit:
     """One page opened with every non-local request aborted and recorded."""
 
-    def __init__(self, browser, base: str, page_path: str):
+    def __init__(self, browser, base: str, page_path: str, width: int = 1280):
         self.base, self.blocked, self.errors, self.local = base, [], [], []
-        self.context = browser.new_context(viewport={"width": 1280, "height": 900})
+        self.context = browser.new_context(viewport={"width": width, "height": 900 if width > 600 else 844})
         self.context.route("**/*", self._route)
         self.page = self.context.new_page()
         self.page.set_default_timeout(TIMEOUT_MS)
@@ -159,13 +252,59 @@ class PageVisit:
         self.context.close()
 
 
+WIDTHS = {"desktop": 1280, "phone": 390}  # px: a laptop's browser, and a phone held upright
+
+# Each figure as drawn: its size, its plot area, what text sticks out of it, which legend entries share a
+# colour, and the log-axis ticks whose label is not their value (plotly's "2 5 100 2 5" minor labels).
+FIGURE_GEOMETRY = r"""() => [...document.querySelectorAll('.js-plotly-plot')].map(d => {
+  const fl = d._fullLayout, box = d.getBoundingClientRect();
+  const out = [...d.querySelectorAll('.gtitle, .g-gtitle text, .annotation-text, .legend')]
+    .map(e => e.getBoundingClientRect())
+    .filter(r => r.width > 0 && (r.left < box.left - 2 || r.right > box.right + 2)).length;
+  const owner = {}, shared = [];
+  for (const t of d._fullData) {
+    if (t.visible !== true || !t.showlegend || !t.name) continue;
+    const c = (t.line && t.line.color) || (t.marker && typeof t.marker.color === 'string' && t.marker.color);
+    if (!c) continue;
+    const who = t.legendgroup || t.name;
+    if (owner[c] === undefined) owner[c] = who; else if (owner[c] !== who) shared.push(`${owner[c]} / ${who}: ${c}`);
+  }
+  const badTicks = [];
+  for (const k of Object.keys(fl).filter(k => /^[xy]axis\d*$/.test(k) && fl[k].type === 'log')) {
+    for (const v of (fl[k]._vals || [])) {
+      const text = String(v.text).replace(/<[^>]*>/g, '').replace(/,/g, '').replace('−', '-').trim();
+      const m = text.match(/^(-?[\d.]+)([kMGTmµ]?)$/);
+      if (!m) continue;
+      const value = parseFloat(m[1]) * ({k: 1e3, M: 1e6, G: 1e9, T: 1e12, m: 1e-3, 'µ': 1e-6}[m[2]] || 1);
+      if (Math.abs(Math.log10(value) - v.x) > 0.02) badTicks.push(`${k}: '${v.text}' at ${Math.pow(10, v.x).toPrecision(3)}`);
+    }
+  }
+  return {width: fl.width, plot: fl._size.w, height: box.height, out, shared, badTicks};
+})"""
+
+
+def _check_figures_read(figures: list[dict]) -> None:
+    for i, f in enumerate(figures):
+        assert f["plot"] >= min(0.6 * f["width"], 400), \
+            f"figure {i}: its plot is {f['plot']:.0f} px of {f['width']:.0f} (a legend or margin takes the rest)"
+        assert not f["out"], f"figure {i}: {f['out']} title, annotation or legend boxes run off the figure"
+        assert not f["shared"], f"figure {i}: legend entries share a colour: {f['shared']}"
+        assert not f["badTicks"], f"figure {i}: log-axis tick labels that are not their value: {f['badTicks'][:4]}"
+
+
+def _visible_words(page) -> list[str]:
+    text = page.evaluate("() => document.querySelector('main, article, body').innerText")
+    return sorted({m.group(0) for pat in WORKSHOP_WORDS for m in re.finditer(pat, text, re.I)})
+
+
+@pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("page_path", toc_pages())
-def test_page_draws_every_figure_and_formula_offline(browser, server, built_book, page_path):
+def test_page_draws_every_figure_and_formula_offline(browser, server, built_book, page_path, width):
     html = built_book / f"{page_path}.html"
     assert html.is_file(), f"{html} was not built"
     expected = html.read_text().count('class="plotly-graph-div"')
     formulas = html.read_text().count('class="math notranslate nohighlight"')  # Sphinx's \(..\) and \[..\]
-    visit = PageVisit(browser, server, page_path)
+    visit = PageVisit(browser, server, page_path, WIDTHS[width])
     try:
         page = visit.page
         page.wait_for_function(
@@ -177,8 +316,9 @@ def test_page_draws_every_figure_and_formula_offline(browser, server, built_book
                  svgs: d.querySelectorAll('.main-svg').length,
                  traces: d.querySelectorAll('.trace, .hm').length,   // a heatmap draws a .hm layer
                  height: d.getBoundingClientRect().height}))""")
+        geometry = page.evaluate(FIGURE_GEOMETRY)
         SHOTS.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(SHOTS / f"{page_path.replace('/', '__')}.png"), full_page=True)
+        page.screenshot(path=str(SHOTS / f"{page_path.replace('/', '__')}--{width}.png"), full_page=True)
 
         assert not [u for u in visit.blocked if "plotly" in u.lower()], \
             f"the page asked the network for plotly: {visit.blocked}"
@@ -191,6 +331,11 @@ def test_page_draws_every_figure_and_formula_offline(browser, server, built_book
             version = page.evaluate("() => window.Plotly.version")
             assert version == plotly.offline.get_plotlyjs_version(), f"the page runs plotly.js {version}"
         _check_formulas_typeset(visit, formulas)
+        _check_figures_read(geometry)
+        words = _visible_words(page)
+        assert not words, f"the page says {words}: words from the workshop, not the course"
+        if (ROOT / f"{page_path}.ipynb").is_file():
+            assert page.locator("details.run-locally").count() == 1, "no 'Run it locally' box under the title"
         missing = [(u, s) for u, s in visit.local if s >= 400]
         assert not missing, f"the book links files it does not have: {missing}"
         assert not visit.errors, "errors in the page:\n" + "\n".join(visit.errors)
@@ -257,3 +402,72 @@ def test_dropdowns_switch_traces_without_a_kernel(browser, server, built_book):
             assert not visit.errors, "errors in the page:\n" + "\n".join(visit.errors)
         finally:
             visit.close()
+
+
+def test_landing_page_links_every_page_and_says_who_it_is_for():
+    intro = (ROOT / "book" / "intro.md").read_text()
+    linked = set(re.findall(r"\{doc\}`([^`]+)`", intro))
+    missing = [p for p in toc_pages()[1:] if p.removeprefix("book/") not in linked]
+    assert not missing, f"book/intro.md does not link {missing}"
+    assert "## Who it is for" in intro and "## What to know first" in intro
+
+
+def test_an_outline_is_marked_in_preparation_in_the_table_of_contents():
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    entries = [c for part in toc["parts"] for c in part["chapters"]]
+    for e in entries:
+        source = next((ROOT / f"{e['file']}{s}" for s in (".md", ".ipynb") if (ROOT / f"{e['file']}{s}").is_file()))
+        outline = "```{admonition} In preparation" in source.read_text()
+        assert outline == ("in preparation" in e.get("title", "").lower()), \
+            f"{e['file']}: an outline is marked '(in preparation)' in _toc.yml, a written chapter is not"
+
+
+def test_the_publishing_workflow_builds_with_the_readmes_command():
+    """GitHub Pages gets what `make book` (the README's command) writes to _build/html."""
+    flow = yaml.safe_load((ROOT / ".github" / "workflows" / "book.yml").read_text())
+    steps = [s for job in flow["jobs"].values() for s in job["steps"]]
+    assert "make book" in (ROOT / "README.md").read_text()
+    assert [s for s in steps if s.get("run", "").strip() == "make book"], "no step runs `make book`"
+    upload = [s for s in steps if s.get("uses", "").startswith("actions/upload-pages-artifact@")]
+    assert upload and upload[0]["with"]["path"] == "_build/html"
+    assert "_build/html" in (ROOT / "Makefile").read_text()
+    assert any(s.get("uses", "").startswith("actions/deploy-pages@") for s in steps)
+    assert flow["permissions"]["pages"] == "write" and flow["permissions"]["id-token"] == "write"
+
+
+def test_run_it_locally_names_the_repository_from_wherever_the_book_is_built():
+    sys.path.insert(0, str(ROOT / "book" / "_ext"))
+    import run_locally as rl
+
+    github = {"GITHUB_SERVER_URL": "https://github.com", "GITHUB_REPOSITORY": "someone/course"}
+    assert rl.repository_url(github) == "https://github.com/someone/course"
+    assert rl.repository_url({"BOOK_REPOSITORY_URL": "https://example.org/c/"}) == "https://example.org/c"
+    for remote in ("git@github.com:someone/course.git", "https://github.com/someone/course.git",
+                   "https://token@github.com/someone/course", "ssh://git@github.com/someone/course.git"):
+        assert rl.repository_url({}, remote) == "https://github.com/someone/course", remote
+    assert rl.repository_url({}, "") is None and rl.repository_url({}, "/srv/git/course") is None
+    lines = rl.commands("book/intro/roofline.ipynb", "https://github.com/someone/course")
+    assert lines[:2] == ["git clone https://github.com/someone/course", "cd course"]
+    assert lines[-1] == ".venv/bin/jupyter lab book/intro/roofline.ipynb"
+    assert any(line.startswith("make setup") for line in lines)
+    assert "git clone" not in "".join(rl.commands("book/x.ipynb", None))
+    assert "&lt;script&gt;" in rl.box("book/x.ipynb", "https://h/<script>")
+    # the commands must work: `make setup` exists and installs JupyterLab
+    assert re.search(r"^setup:", (ROOT / "Makefile").read_text(), re.M)
+    assert re.search(r"^jupyterlab==", (ROOT / "requirements.txt").read_text(), re.M)
+
+
+def test_links_between_pages_land_on_what_they_name(built_book):
+    """Every link from one page of the book to another reaches a built file and, with #anchor, an id on it
+    (the ledger's rows and the chapters' claim tables link to each other)."""
+    broken = []
+    for page in toc_pages():
+        source = built_book / f"{page}.html"
+        for href in set(re.findall(r"""href=["']([^"':]+?\.html(?:#[^"']*)?)["']""", source.read_text())):
+            target, _, anchor = href.partition("#")
+            path = (source.parent / target).resolve()
+            if not path.is_file():
+                broken.append(f"{page}: {href} (no file)")
+            elif anchor and not re.search(rf"""id=["']{re.escape(anchor)}["']""", path.read_text()):
+                broken.append(f"{page}: {href} (no id {anchor!r})")
+    assert not broken, "\n".join(broken[:20])

@@ -177,6 +177,22 @@ def test_fit_ttft_recovers_flat_linear_and_quadratic_terms():
     assert claims.fit_ttft(lengths, seconds) == pytest.approx((0.01, 1e-3, 1e-6), rel=1e-6)
 
 
+def test_every_claim_links_to_the_page_that_checks_it():
+    book = Path(claims.__file__).resolve().parent.parent / "book"
+    for c in claims.CLAIMS.values():
+        page = book / f"{claims.page_of(c)}.ipynb"
+        assert page.is_file() and re.search(rf"\b{c.id}\b", page.read_text()), f"{c.id}: {page} does not check it"
+    row = claims.ledger_html([(claims.CLAIMS["C16"], claims.Verdict("qualified", "First. Second one."))])
+    assert "href='../dispatch/ttft-jitter.html'" in row and "href='../appendix/ledger.html#claim-C16'" in row
+    assert ": First.<details>" in row and "Second one." in row   # the reason in the row, the rest a click away
+
+
+def test_first_sentence_keeps_numbers_and_abbreviations_whole():
+    assert claims.first_sentence("Held at 1.5x on the H200. The CPU differs.") == "Held at 1.5x on the H200."
+    assert claims.first_sentence("No sentence end") == "No sentence end."
+    assert claims.first_sentence("One; two") == "One; two."
+
+
 def test_number_formatting_keeps_three_figures_and_the_unit():
     assert str(claims.Number(663.0, "GB/s")) == "663 GB/s"
     assert str(claims.Number(1169.4, "FLOP/byte")) == "1,169 FLOP/byte"
