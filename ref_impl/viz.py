@@ -38,7 +38,10 @@ from plotly.io._base_renderers import MimetypeRenderer
 PALETTE = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000",
            "#882255", "#332288", "#999933", "#44AA99", "#888888")
 DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot") * 2   # one per colour
-LOG_TICKS = ",~r"   # every tick on a log axis printed in full (20, 50, 100), not as a lone "2" or "5"
+# A log axis labelled at 1, 2 and 5 of each decade, every label printed in full (20, 50, 100, not a
+# lone "2" or "5"); in the book, course_figures.js drops to one label per decade where they crowd
+LOG_TICKS = ",~r"
+LOG_AXIS = dict(type="log", tickformat=LOG_TICKS, dtick="D2")
 FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, 'Helvetica Neue', Arial, sans-serif"
 HEIGHT = 460  # px; the width follows the page
 TITLE_CSS = f"font-family: {FONT}; font-size: 17px; font-weight: 600; color: #222; margin: 1em 0 0.2em 0"
@@ -126,7 +129,7 @@ def lint(fig: go.Figure) -> list[str]:
         problems.append("the legend sits at the right of the plot: leave its place to the template (below)")
     for key, axis in fig.layout.to_plotly_json().items():
         if re.match(r"[xy]axis\d*$", key) and axis.get("type") == "log" and not axis.get("tickformat"):
-            problems.append(f"{key} is a log axis without tickformat=viz.LOG_TICKS")
+            problems.append(f"{key} is a log axis without full tick labels: update it with **viz.LOG_AXIS")
     return problems
 
 
@@ -152,8 +155,8 @@ def figure(title: str, x_title: str, y_title: str, log_x: bool = False, log_y: b
     titles carry their unit in parentheses."""
     split_unit(x_title), split_unit(y_title)
     fig = go.Figure(layout=dict(template=TEMPLATE, title_text=title))
-    fig.update_xaxes(title_text=x_title, **(dict(type="log", tickformat=LOG_TICKS) if log_x else {}))
-    fig.update_yaxes(title_text=y_title, **(dict(type="log", tickformat=LOG_TICKS) if log_y else {}))
+    fig.update_xaxes(title_text=x_title, **(LOG_AXIS if log_x else {}))
+    fig.update_yaxes(title_text=y_title, **(LOG_AXIS if log_y else {}))
     return fig
 
 

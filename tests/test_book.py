@@ -171,7 +171,7 @@ def test_viz_titles_wrap_as_html_and_figures_keep_the_rules(monkeypatch):
     bad.add_scatter(x=[1], y=[2], name="two", line_color=viz.PALETTE[0])
     bad.update_layout(legend=dict(x=1.02, orientation="v"), yaxis_tickformat=None)
     found = " | ".join(viz.lint(bad))
-    assert "'one' and 'two' share" in found and "right of the plot" in found and "yaxis is a log axis" in found
+    assert "'one' and 'two' share" in found and "right of the plot" in found and "yaxis is a log axis without full tick labels" in found
 
 
 @pytest.fixture(scope="module")
@@ -279,7 +279,16 @@ FIGURE_GEOMETRY = r"""() => [...document.querySelectorAll('.js-plotly-plot')].ma
       if (Math.abs(Math.log10(value) - v.x) > 0.02) badTicks.push(`${k}: '${v.text}' at ${Math.pow(10, v.x).toPrecision(3)}`);
     }
   }
-  return {width: fl.width, plot: fl._size.w, height: box.height, out, shared, badTicks};
+  const overlaps = [];
+  for (const layer of d.querySelectorAll('.xaxislayer-above, .yaxislayer-above')) {
+    const boxes = [...layer.querySelectorAll('.xtick text, .ytick text')].map(t => [t.textContent, t.getBoundingClientRect()])
+      .filter(([, r]) => r.width > 0);
+    for (let i = 1; i < boxes.length; i++) {
+      const [ta, a] = boxes[i - 1], [tb, b] = boxes[i];
+      if (a.left < b.right - 1 && b.left < a.right - 1 && a.top < b.bottom - 1 && b.top < a.bottom - 1) overlaps.push(`${ta} / ${tb}`);
+    }
+  }
+  return {width: fl.width, plot: fl._size.w, plotHeight: fl._size.h, height: box.height, out, shared, badTicks, overlaps};
 })"""
 
 
@@ -290,6 +299,8 @@ def _check_figures_read(figures: list[dict]) -> None:
         assert not f["out"], f"figure {i}: {f['out']} title, annotation or legend boxes run off the figure"
         assert not f["shared"], f"figure {i}: legend entries share a colour: {f['shared']}"
         assert not f["badTicks"], f"figure {i}: log-axis tick labels that are not their value: {f['badTicks'][:4]}"
+        assert not f["overlaps"], f"figure {i}: tick labels drawn over each other: {f['overlaps'][:4]}"
+        assert f["plotHeight"] >= 200, f"figure {i}: its plot is {f['plotHeight']:.0f} px tall"
 
 
 def _visible_words(page) -> list[str]:
@@ -311,6 +322,9 @@ def test_page_draws_every_figure_and_formula_offline(browser, server, built_book
             """() => [...document.querySelectorAll('.plotly-graph-div')]
                      .every(d => d.classList.contains('js-plotly-plot') && d.querySelector('.main-svg'))""",
             timeout=TIMEOUT_MS)
+        if expected:   # course_figures.js has fitted every figure to this width
+            page.wait_for_function("() => document.documentElement.dataset.courseFigures === 'fitted'",
+                                   timeout=TIMEOUT_MS)
         drawn = page.evaluate(
             """() => [...document.querySelectorAll('.js-plotly-plot')].map(d => ({
                  svgs: d.querySelectorAll('.main-svg').length,

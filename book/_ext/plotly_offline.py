@@ -2,7 +2,8 @@
 
 At build time this copies `plotly.min.js` from the installed plotly package (the same version that
 drew the figures' JSON, so the two always match) into the HTML output's `_static/`, and loads it on
-every page ahead of the page body, where `ref_impl.viz` puts each figure's `Plotly.newPlot` script.
+every page ahead of the page body, where `ref_impl.viz` puts each figure's `Plotly.newPlot` script,
+with `course_figures.js`, which fits each figure to the width it is drawn at (a phone's, too).
 It also sets COURSE_BOOK_BUILD=1 for the kernels that execute the notebooks, so `ref_impl.viz`
 emits each figure as HTML only: myst-nb warns about any output mime type it cannot render, and
 the plotly JSON that live Jupyter draws is one. And it drops a duplicated inline script that
@@ -21,6 +22,7 @@ import plotly
 
 SOURCE = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
 TARGET = "plotly.min.js"  # under _static/
+FIT = Path(__file__).with_name("course_figures.js")  # fits each figure to the width it is drawn at
 
 
 def _add_plotly(app) -> None:
@@ -33,8 +35,10 @@ def _add_plotly(app) -> None:
     static = Path(app.outdir) / "_static"
     static.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(SOURCE, static / TARGET)
+    shutil.copyfile(FIT, static / FIT.name)
     # A plain <script> in <head> runs before the body's figure scripts; it sets window.Plotly itself.
     app.add_js_file(TARGET, priority=200)
+    app.add_js_file(FIT.name, priority=201)
 
 
 def _drop_duplicate_scripts(app, pagename, templatename, context, doctree) -> None:
