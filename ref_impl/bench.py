@@ -429,7 +429,9 @@ def llama_bench_records(binary: Path, path: Path, base: dict, prompt_len: int, g
     except RuntimeError as e:
         return [{**base, "variant": "llama.cpp", "metric": "peer_error", "unit": None, "value": None, "samples": [],
                  "peer": "llama.cpp (llama-bench)", "note": str(e)}]
-    peer = f"llama.cpp {row.get('build_commit', '?')} (llama-bench, {row.get('backends', '?')})"
+    # a build from a source archive (e.g. llama-cpp-python's vendored copy) knows no commit: say nothing
+    commit = row.get("build_commit") if row.get("build_commit") not in (None, "", "unknown") else None
+    peer = f"llama.cpp{f' {commit}' if commit else ''} (llama-bench, {row.get('backends', '?')})"
     note = f"{row.get('gpu_info', '')}; -d {prompt_len} -n {gen_tokens} -ngl 99 -fa on"
     return [{**base, "variant": "llama.cpp", "metric": "tokens_per_s", "unit": "tok/s", "value": float(row["avg_ts"]),
              "samples": [float(v) for v in row.get("samples_ts", [])], "peer": peer, "note": note},

@@ -140,6 +140,14 @@ def test_llama_bench_records_parse_its_json_and_pass_our_arguments(tmp_path):
     assert [args[args.index(f) + 1] for f in ("-n", "-d", "-r", "-ngl")] == ["128", "128", "3", "99"]
 
 
+def test_a_llama_bench_built_from_an_archive_is_named_without_a_made_up_version(tmp_path):
+    row = {"build_commit": "unknown", "backends": "CUDA", "model_size": 1, "n_prompt": 0, "n_gen": 128,
+           "n_depth": 128, "avg_ts": 200.0, "samples_ts": [200.0]}
+    exe = _fake_llama_bench(tmp_path, f"cat <<'J'\n{json.dumps([row])}\nJ")
+    recs = bench.llama_bench_records(exe, tmp_path / "m.gguf", {"weights": "F16"}, 128, 128, 3)
+    assert {r["peer"] for r in recs} == {"llama.cpp (llama-bench, CUDA)"}
+
+
 @pytest.mark.parametrize("body, message", [("echo 'failed to load model' >&2; exit 1", "failed to load model"),
                                            ("echo not json", "no JSON"),
                                            ("echo '[]'", "no decode of 128 tokens")])
