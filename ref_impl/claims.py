@@ -1937,17 +1937,21 @@ def page_of(claim: Claim) -> str:
 
 
 def first_sentence(text: str) -> str:
-    """The first sentence of a verdict's summary: the reason a reader scans for."""
-    head = re.split(r"(?<=[.;])\s+(?=[A-Z(])", text.strip(), maxsplit=1)[0]
-    return head.rstrip(";") + ("" if head.endswith(".") else ".")
+    """The reason a reader scans for: a verdict summary without its parenthetical asides, up to the end
+    of its first sentence, colon or semicolon (the ledger shows the whole summary a click away)."""
+    text = text.strip()
+    while (shorter := re.sub(r"\s*\([^()]*\)", "", text)) != text:
+        text = shorter
+    head = re.split(r"(?<=\.)\s+(?=[A-Z])|[;:]\s", text, maxsplit=1)[0]
+    return head.rstrip(" .") + "."
 
 
 _LEDGER_CSS = """<style>
-table.claim-ledger {width: 100%; table-layout: fixed; border-collapse: collapse; font-size: 0.9em}
+table.claim-ledger {width: 100%; table-layout: fixed; border-collapse: collapse; font-size: 0.85em}
 table.claim-ledger th, table.claim-ledger td {vertical-align: top; padding: 6px 8px; overflow-wrap: anywhere}
 table.claim-ledger tbody tr {border-top: 1px solid #ddd}
 table.claim-ledger col.id {width: 4.5em} table.claim-ledger col.page {width: 8.5em}
-table.claim-ledger col.claim {width: 42%}
+table.claim-ledger col.claim {width: 36%}
 table.claim-ledger .verdict {font-weight: bold; white-space: nowrap}
 table.claim-ledger details {margin-top: 4px; font-size: 0.92em}
 table.claim-ledger details dl {margin: 4px 0 0 0} table.claim-ledger details dd {margin-left: 1em}

@@ -187,15 +187,21 @@ def line_chart(series: Mapping[str, tuple[Sequence[float], Sequence[float]]]
 
 
 def bar_chart(categories: Sequence[str], series: Mapping[str, Sequence[float]], title: str, x_title: str,
-              y_title: str, log_y: bool = False, y_fmt: str = ":,.4~g") -> go.Figure:
-    """Grouped bars: one bar per category for each entry of `series` ({name: values})."""
-    fig = figure(title, x_title, y_title, log_y=log_y)
-    (xn, _), (yn, yu) = split_unit(x_title), split_unit(y_title)
-    hover = f"<b>%{{fullData.name}}</b><br>{xn}: %{{x}}<br>{yn}: %{{y{y_fmt}}} {yu}<extra></extra>"
+              y_title: str, log_y: bool = False, y_fmt: str = ":,.4~g", horizontal: bool = False) -> go.Figure:
+    """Grouped bars: one bar per category for each entry of `series` ({name: values}). `x_title` names
+    the categories and `y_title` the values, whichever way the bars run; `horizontal` bars put the
+    categories down the side, where long names never collide on a narrow page."""
+    fig = figure(title, *((y_title, x_title) if horizontal else (x_title, y_title)),
+                 **({"log_x": log_y} if horizontal else {"log_y": log_y}))
+    (cn, _), (vn, vu) = split_unit(x_title), split_unit(y_title)
+    c, v = ("y", "x") if horizontal else ("x", "y")
+    hover = f"<b>%{{fullData.name}}</b><br>{cn}: %{{{c}}}<br>{vn}: %{{{v}{y_fmt}}} {vu}<extra></extra>"
     for i, (name, values) in enumerate(series.items()):
-        fig.add_trace(go.Bar(x=list(categories), y=list(values), name=name,
+        fig.add_trace(go.Bar(**{c: list(categories), v: list(values)}, name=name, orientation="h" if horizontal else "v",
                              marker_color=colour(i, len(series)), hovertemplate=hover))
     fig.update_layout(barmode="group", bargap=0.25)
+    if horizontal:
+        fig.update_yaxes(autorange="reversed")   # the first category on top, as it reads
     return fig
 
 

@@ -187,10 +187,11 @@ def test_every_claim_links_to_the_page_that_checks_it():
     assert ": First.<details>" in row and "Second one." in row   # the reason in the row, the rest a click away
 
 
-def test_first_sentence_keeps_numbers_and_abbreviations_whole():
+def test_first_sentence_is_the_reason_without_its_asides():
     assert claims.first_sentence("Held at 1.5x on the H200. The CPU differs.") == "Held at 1.5x on the H200."
-    assert claims.first_sentence("No sentence end") == "No sentence end."
-    assert claims.first_sentence("One; two") == "One; two."
+    assert claims.first_sentence("It batches (its source: 64+ nodes (a few)). More.") == "It batches."
+    assert claims.first_sentence("Pauses do come from growth: on h200, 6 of 1,900") == "Pauses do come from growth."
+    assert claims.first_sentence("One; two") == "One."
 
 
 def test_number_formatting_keeps_three_figures_and_the_unit():
