@@ -47,11 +47,15 @@ both near the read bandwidth on the large matrices. The 4-bit kernels stop well 
 chapter estimates their arithmetic per byte: enough to bound them). End to end, the fused kernels cut the decoder's
 matrix time by about half (Q4_K_M) and its kernels per token from ~580 to ~455, but a decode step then waits
 on the host: MLX's Python graph building and its per-primitive encoding take longer than the GPU's work, so
-tokens/s follows the host (and varies with the lent machine's CPU), while llama.cpp, which replays a captured
-CUDA graph per token (GGML_CUDA_GRAPHS, on by default in its CMakeLists.txt), does not. bench --kernels records the breakdown.
+tokens/s follows the host (two H200 machines, whose host CPUs differ, gave different speeds). MLX's CUDA backend
+does launch CUDA graphs, but it rebuilds them node by node at every evaluation, one graph per batch of operations
+(mlx/backend/cuda/device.cpp, CommandEncoder::commit), so every primitive still costs the host; llama.cpp captures
+a decode step's kernels as one CUDA graph and replays it while the step's graph is unchanged (GGML_CUDA_GRAPHS, on
+by default in its CMakeLists.txt), so its speed does not follow the host. bench --kernels records the breakdown.
 
 References: MLX docs "Custom Metal Kernels" and mlx/backend/cuda/custom_kernel.cpp (grid in threads,
-generated signature `w0_shape`, template constants); MLX mlx/backend/metal/kernels/quantized.h `qdot`
+generated signature `w0_shape`, template constants); MLX mlx/backend/cuda/device.cpp (CommandEncoder: the CUDA
+graphs MLX builds per batch of operations); MLX mlx/backend/metal/kernels/quantized.h `qdot`
 (scale and bias per group, sum of x); the magic-number int-to-float conversion, as used for 4-bit
 weights in FasterTransformer (Kim et al., "Who Says Elephants Can't Run", 2022); CUDA C++ Programming Guide, compute
 capability 9.0 limits (2048 threads, 32 blocks, 64K registers per SM); PTX ISA `ld` cache hints.
