@@ -357,6 +357,27 @@ def _pcie_link_records() -> list[dict]:
             for f, v in zip(fields, values)]
 
 
+def host_copy_recorded(results_dir=None) -> dict[str, dict]:
+    """Recorded host copy rates (`bench --link`, variant "host copy (numpy)") per machine label, from the
+    latest results file of each machine: {label: {"machine": {...}, "file": name, "sizes": [bytes],
+    "gbs": [GB/s]}}, sizes ascending. The recorded view the chapter argues from; a live run only adds to it."""
+    from . import bench
+
+    out: dict[str, dict] = {}
+    rows = bench.read_results("link", *([results_dir] if results_dir is not None else []))
+    for name, machine, r in rows:                     # files in name order: a later file replaces an earlier
+        if r["variant"] != "host copy (numpy)" or r["metric"] != "copy_bandwidth":
+            continue
+        entry = out.get(machine["label"])
+        if entry is None or entry["file"] != name:
+            entry = out[machine["label"]] = {"machine": machine, "file": name, "points": {}}
+        entry["points"][r["bytes"]] = r["value"]
+    for entry in out.values():
+        points = entry.pop("points")
+        entry["sizes"], entry["gbs"] = sorted(points), [points[b] for b in sorted(points)]
+    return out
+
+
 def measure_link(budget_s: float = 60.0, max_bytes: int = 1 << 30) -> list[dict]:
     """Every link record: host copies always, host<->device copies where PyTorch sees a GPU; when it
     does not, one record says why (metric "skipped", its reason in "note")."""
