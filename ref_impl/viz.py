@@ -239,8 +239,9 @@ def with_slider(fig: go.Figure, steps: Mapping[str, Sequence[int]], prefix: str,
     e.g. one step per batch size. `prefix` names the quantity and unit, e.g. 'Batch size (tokens): '.
     `pad_t`: pixels between the plot and the slider (more for long or rotated tick labels)."""
     masks = _visibility(fig, steps)
+    # inset from both edges, so the first and last step labels, centred on their ticks, are not cut off
     fig.update_layout(sliders=[dict(
-        active=0, currentvalue=dict(prefix=prefix), pad=dict(t=pad_t),
+        active=0, currentvalue=dict(prefix=prefix), pad=dict(t=pad_t), x=0.04, len=0.92,
         steps=[dict(label=name, method="restyle", args=[{"visible": mask}])
                for name, mask in zip(steps, masks)])])
     return fig
