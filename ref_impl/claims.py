@@ -726,7 +726,7 @@ def link_recorded() -> tuple[str, dict[tuple[str, str, int | None], float]] | No
     return gpu[-1] if gpu else None
 
 
-def _native_link_efficiency() -> tuple[str, float, float, int, int] | None:
+def native_link_efficiency() -> tuple[str, float, float, int, int] | None:
     """(label, measured pinned h2d GB/s at the largest size, its share of the GPU's own PCIe ceiling at
     256-byte payloads, gen, lanes) from recorded results, or None."""
     from . import interconnect as ic
@@ -761,7 +761,7 @@ def check_c07(live: bool) -> Verdict:
                f"{100 * (1 - m['TB5 host-to-device'] / C07_GBS):.0f}% below the claim, while the same GPU over "
                f"OCuLink (native PCIe Gen4 x4) moved {m['OCuLink host-to-device']}")
     source = f"{ic.MEASURED_SOURCE}; {_IC_SOURCES}"
-    native = _native_link_efficiency()
+    native = native_link_efficiency()
     if native:
         label, best, eff, gen, lanes = native
         ev |= {f"recorded pinned host-to-device copy, Gen{gen} x{lanes} ({label})": Number(best, "GB/s"),
@@ -1643,7 +1643,7 @@ def unified_recorded() -> dict[str, dict]:
     return out
 
 
-def _first_reads(d: dict) -> tuple[int, dict[str, float]] | None:
+def first_reads(d: dict) -> tuple[int, dict[str, float]] | None:
     """The largest size's first-read and second-read rates of one machine's records, by short name."""
     if not d["reads"]:
         return None
@@ -1672,7 +1672,7 @@ def check_c12(live: bool) -> Verdict:
                "over a bus; but converting to or from numpy still copies (only the buffer-protocol views "
                "np.asarray and memoryview share memory)")
     if gpu:
-        first = _first_reads(rec[gpu])
+        first = first_reads(rec[gpu])
         if first:
             size, r = first
             mib = size / 2**20

@@ -557,7 +557,7 @@ def test_c12_c30_read_the_unified_records_and_stay_honest_about_apple():
         key = f"np.asarray(mx) shares the source's memory ({label})"
         assert v12.evidence[key].value == 1.0
         if d["backend"] == "cuda":    # a discrete GPU's first reads are slower than its second ones
-            size, r = claims._first_reads(d)
+            size, r = claims.first_reads(d)
             assert r["host first"] < r["host again"] and r["device first"] < r["device again"]
             assert f"{r['host first']:.1f} GB/s" in v12.summary
 
