@@ -145,6 +145,9 @@ def cmd_bench(a: argparse.Namespace) -> None:
         elif a.unified:
             from .bench import bench_unified
             records = bench_unified(a.unified_max_bytes)
+        elif a.alignment:
+            from .bench import bench_alignment
+            records = bench_alignment(a.alignment_budget)
         elif a.quant_groups:
             from .bench import bench_quant_groups
             if a.ppl_tokens <= 0:
@@ -283,6 +286,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--unified", action="store_true",
                    help="numpy <-> MLX conversions (copy or share, time vs size) and first reads of fresh arrays")
     b.add_argument("--unified-max-bytes", type=int, default=256 << 20, help="largest array --unified times (bytes)")
+    b.add_argument("--alignment", action="store_true",
+                   help="the GGUF chapter's misaligned-read sweep: GEMV and sum read rates at byte offsets 0-64, "
+                        "in L2 and from DRAM, numpy and MLX")
+    b.add_argument("--alignment-budget", type=float, default=60.0, help="seconds --alignment may take")
     b.add_argument("--dispatch", action="store_true",
                    help="dispatch measurements (sync vs async_eval vs eval per layer, first-call cost, kernel "
                         "latency, KV-cache jitter, wired memory, TTFT/ITL vs context) on --model and --shapes")

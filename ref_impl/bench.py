@@ -734,6 +734,16 @@ def bench_link(budget_s: float = 60.0, max_bytes: int = 1 << 30) -> list[dict]:
     return measure_link(budget_s, max_bytes)
 
 
+def bench_alignment(budget_s: float = 60.0) -> list[dict]:
+    """Alignment records (experiment "alignment"): the GGUF chapter's sweep of GEMV and sum read rates at
+    byte offsets past a cache line, in a buffer inside L2 and one that streams from DRAM, numpy and MLX.
+    See loading.throughput_sweep."""
+    from . import loading
+
+    rows = loading.throughput_sweep(loading.SWEEP_OFFSETS, loading.sweep_sizes(), budget_s=budget_s)
+    return loading.sweep_records(rows)
+
+
 def bench_unified(max_bytes: int = 256 << 20, budget_s: float = 20.0) -> list[dict]:
     """Unified-memory records (experiment "unified"): numpy <-> MLX conversions (copy or share, by
     address; writes seen or not; time vs size) and the first host/device read of a fresh array on the

@@ -8,6 +8,9 @@ mapped (`gguf.read`), read() into memory, and MLX's own `mx.load` -- and records
 the time of the first pass over every weight, and the resident memory (RSS) each way adds, with the
 file's pages in the page cache ("warm") or evicted first ("cold", Linux only).
 
+`python -m ref_impl bench --alignment --label my-machine` records the chapter's sweep in results/
+(experiment "alignment"); `recorded_sweeps` reads it back.
+
 Every function takes a time budget and returns plain dataclasses with the unit in each field name.
 
 References: Intel 64 and IA-32 Architectures Optimization Reference Manual (split loads: a load
@@ -83,7 +86,7 @@ def one_thread() -> Iterator[None]:
 def numpy_blas() -> str:
     """The BLAS behind numpy and the CPU kernels it picked, e.g. "OpenBLAS (SkylakeX kernels)"."""
     cfg = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
-    name = cfg.get("name", "unknown BLAS")
+    name = cfg.get("name", "a BLAS numpy does not name")
     if os.path.exists("/proc/self/maps"):
         for path in {line.split()[-1] for line in open("/proc/self/maps") if "openblas" in line.lower()}:
             lib = ctypes.CDLL(path)
@@ -124,10 +127,23 @@ def _address(a) -> int:
     return (a if isinstance(a, np.ndarray) else np.array(a, copy=False)).ctypes.data
 
 
+# The bytes the sweep's buffers are filled with. A float32's exponent field is the top byte's low 7 bits
+# and the next byte's top bit; with every byte in 0x38-0x43 (either sign), the four bytes at *any*
+# offset, 1 byte included, read as a normal float of magnitude 2**-15 to 2**9: never zero, subnormal,
+# inf or NaN. Subnormal inputs (or products) make many x86 cores take a slow microcode assist per
+# multiply, a cost that has nothing to do with alignment and would hide it.
+FILL_BYTES = np.array([sign | b for sign in (0x00, 0x80) for b in range(0x38, 0x44)], np.uint8)
+
+
+def fill_bytes(n: int, rng: np.random.Generator) -> np.ndarray:
+    """`n` random bytes from FILL_BYTES: viewed as float32 at any byte offset, normal numbers only."""
+    return FILL_BYTES[rng.integers(0, FILL_BYTES.size, n, dtype=np.uint8)]
+
+
 def _numpy_views(nbytes: int, offsets: Sequence[int], rng: np.random.Generator):
     raw = np.empty(nbytes + 2 * 4096, np.uint8)
     start = -_address(raw) % 4096                        # a page boundary, hence a cache-line one
-    raw[:] = rng.integers(0, 255, raw.size, dtype=np.uint8) & 0x3F  # finite float32 bit patterns
+    raw[:] = fill_bytes(raw.size, rng)
     views = {off: raw[start + off:start + off + nbytes].view(np.float32) for off in offsets}
     return raw, views
 
@@ -135,7 +151,7 @@ def _numpy_views(nbytes: int, offsets: Sequence[int], rng: np.random.Generator):
 def _mlx_views(nbytes: int, offsets: Sequence[int], rng: np.random.Generator):
     import mlx.core as mx
     n = nbytes // 4
-    base = mx.array(rng.standard_normal(n + 1024, dtype=np.float32))
+    base = mx.array(fill_bytes(4 * (n + 1024), rng).view(np.float32))    # the same kind of floats as numpy's
     mx.eval(base)
     k0 = (-_address(base) % LINE) // 4                    # MLX's CPU buffers start 8 bytes past a malloc block
     views = {}
@@ -157,7 +173,8 @@ def throughput_sweep(offsets: Sequence[int] = OFFSETS, sizes: Sequence[int] = (2
     slows them alike; each result is the fastest round (noise only ever adds time). Tiny buffers
     are timed as loops of calls. The whole sweep stops after about `budget_s` seconds (at least
     three rounds each). BLAS runs on one thread. Offsets that are not a multiple of 4 bytes run in
-    numpy only (MLX slices whole elements).
+    numpy only (MLX slices whole elements). The buffers hold seeded random normal floats (FILL_BYTES),
+    at every offset, so no subnormal number slows one offset for a reason other than its alignment.
     """
     rng = np.random.default_rng(seed)
     groups = [(b, op, size) for b in backends for size in sizes for op in ops]
@@ -205,6 +222,56 @@ def _time_group(backend: str, op: str, size: int, views: dict, budget_s: float,
         rounds += 1
     return [Throughput(backend, op, size, off, _address(views[off]) % LINE, best[off], size / best[off] / 1e9,
                        _address(views[off]) % 4 == 0, rounds) for off in fns]
+
+
+# The sweep the GGUF chapter shows and records: offsets past a cache line (1 byte: not even float32-
+# aligned), a buffer that fits any core's L2, and one that streams from DRAM (`sweep_sizes`).
+SWEEP_OFFSETS = (0, 1, 4, 16, 32, 64)
+
+
+def last_level_cache_bytes() -> int | None:
+    """The largest cache cpu0 reports (Linux's /sys; None where there is none to read)."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        if text:
+            sizes.append(int(text.rstrip("KMG")) * {"K": KiB, "M": MiB, "G": 2**30}.get(text[-1], 1))
+    return max(sizes, default=None)
+
+
+def sweep_sizes() -> tuple[int, int]:
+    """(256 KiB, in any core's L2; three times this CPU's last-level cache, at least 96 MiB and at most
+    1 GiB, which streams from DRAM): a 96 MiB buffer sits in the 300 MiB L3 of a large Xeon."""
+    llc = last_level_cache_bytes() or 32 * MiB
+    return 256 * KiB, min(max(96 * MiB, 3 * llc), 1024 * MiB)
+
+
+def sweep_records(rows: Sequence[Throughput]) -> list[dict]:
+    """A sweep as results/ records (experiment "alignment"), one per (backend, op, size, offset)."""
+    blas_name = numpy_blas()
+    return [{"experiment": "alignment", "model": None, "weights": "F32", "kv": None, "context": None,
+             "variant": f"{r.backend} {r.op}", "metric": "read_rate", "unit": "GB/s", "value": r.gb_per_s,
+             "samples": [], "peer": None, "backend": r.backend, "op": r.op, "buffer_bytes": r.buffer_bytes,
+             "offset_bytes": r.offset_bytes, "line_offset": r.line_offset, "seconds": r.seconds,
+             "float32_aligned": r.float32_aligned, "rounds": r.rounds,
+             "numpy_blas": blas_name if r.backend == "numpy" else None} for r in rows]
+
+
+def recorded_sweeps(results_dir: str | os.PathLike | None = None) -> dict[str, tuple[dict, list[Throughput]]]:
+    """The recorded sweeps in results/, per machine label (the newest file of each): (machine, rows).
+    The machine dict is the file's, plus "file" (its name) and "numpy_blas" (the BLAS numpy used)."""
+    from . import bench
+    files: dict[str, dict[str, tuple[dict, list]]] = {}
+    for name, machine, r in bench.read_results("alignment", *([Path(results_dir)] if results_dir else [])):
+        info, rows = files.setdefault(machine["label"], {}).setdefault(
+            name, ({**machine, "file": name, "numpy_blas": None}, []))
+        info["numpy_blas"] = info["numpy_blas"] or r.get("numpy_blas")
+        rows.append(Throughput(r["backend"], r["op"], r["buffer_bytes"], r["offset_bytes"], r["line_offset"],
+                               r["seconds"], r["value"], r["float32_aligned"], r["rounds"]))
+    return {label: by_file[max(by_file)] for label, by_file in files.items()}
 
 
 # ---- mmap vs read ------------------------------------------------------------------------------------
@@ -408,3 +475,4 @@ def wired_reads(buffer_bytes: int = 256 * MiB, tensor_bytes: int = 4 * MiB, repe
             out.append(WiredRead(variant, buffer_bytes, tensor_bytes, seconds * 1e3, buffer_bytes / seconds / 1e9,
                                  tuple(times), minflt, majflt, locked, error))
     return out
+

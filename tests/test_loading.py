@@ -104,6 +104,39 @@ def test_hexdump_shows_offsets_hex_and_ascii():
 
 # ---- measurements ---------------------------------------------------------------------------------
 
+def _normal(a) -> np.ndarray:
+    """Which elements are normal float32 numbers: finite, and not zero or subnormal."""
+    a = np.asarray(a, dtype=np.float32)
+    return np.isfinite(a) & (np.abs(a) >= np.finfo(np.float32).tiny)
+
+
+def test_throughput_sweep_reads_only_normal_floats_at_every_offset(monkeypatch):
+    # Subnormal numbers make many x86 cores' multiplies take a slow assist, which would slow an offset
+    # for a reason that has nothing to do with alignment: catch every buffer the sweep builds.
+    seen = []
+    for name in ("_numpy_views", "_mlx_views"):
+        make = getattr(loading, name)
+        monkeypatch.setattr(loading, name, lambda *a, _make=make, _name=name:
+                            seen.append((_name, _make(*a))) or seen[-1][1])
+    offsets = tuple(range(8)) + (16, 32, 64)                # every byte shift of a float32, and more
+    loading.throughput_sweep(offsets=offsets, sizes=(64 * 1024,), budget_s=0)
+    assert {name for name, _ in seen} == {"_numpy_views", "_mlx_views"}
+    for name, (_, views) in seen:
+        assert set(views) == ({o for o in offsets if o % 4 == 0} if name == "_mlx_views" else set(offsets))
+        for off, v in views.items():
+            v = np.array(v, dtype=np.float32)
+            assert v.size == 64 * 1024 // 4 and _normal(v).all(), (name, off)
+            x = np.random.default_rng(off).standard_normal(loading.GEMV_COLS, dtype=np.float32)
+            w = v[:v.size // loading.GEMV_COLS * loading.GEMV_COLS].reshape(-1, loading.GEMV_COLS)
+            assert _normal(w * x).all(), (name, off)             # a GEMV's products too
+    # the fill itself: random (seeded), and normal at each of the four byte shifts
+    raw = loading.fill_bytes(4 * 10_000 + 3, np.random.default_rng(1))
+    assert np.array_equal(raw, loading.fill_bytes(raw.size, np.random.default_rng(1)))
+    assert len(np.unique(raw)) == loading.FILL_BYTES.size
+    for shift in range(4):
+        assert _normal(raw[shift:shift + 4 * 10_000].view(np.float32)).all(), shift
+
+
 def test_throughput_sweep_returns_every_offset_with_units_and_keeps_its_budget():
     # no budget left: the three rounds every timing takes at least, no more
     assert {r.rounds for r in loading.throughput_sweep(offsets=(0, 4), sizes=(64 * 1024,), budget_s=0)} == {3}
@@ -155,3 +188,24 @@ def test_load_comparison_covers_methods_and_caches(tmp_path):
     rows = loading.load_comparison(path, methods=("mmap", "read"))
     caches = ("cold", "warm") if hasattr(os, "posix_fadvise") else ("warm",)
     assert [(r.cache, r.method) for r in rows] == [(c, m) for c in caches for m in ("mmap", "read")]
+
+
+def test_a_recorded_sweep_reads_back_as_it_was_measured(tmp_path, monkeypatch):
+    from ref_impl import bench
+
+    monkeypatch.setattr(loading, "sweep_sizes", lambda: (64 * 1024, 256 * 1024))
+    path = bench.write_results(bench.bench_alignment(budget_s=0), tmp_path, "bench --alignment", "test-machine")
+    machine, rows = loading.recorded_sweeps(tmp_path)["test-machine"]
+    assert machine["label"] == "test-machine" and machine["file"] == path.name
+    assert machine["numpy_blas"] == loading.numpy_blas()
+    assert {(r.backend, r.op, r.buffer_bytes, r.offset_bytes) for r in rows} == {
+        (b, op, size, o) for b in ("numpy", "mlx") for op in ("sum", "gemv") for size in (64 * 1024, 256 * 1024)
+        for o in loading.SWEEP_OFFSETS if b == "numpy" or o % 4 == 0}
+    assert all(r.rounds >= 3 and math.isclose(r.gb_per_s, r.buffer_bytes / r.seconds / 1e9) for r in rows)
+
+
+def test_the_far_buffer_outgrows_the_last_level_cache():
+    near, far = loading.sweep_sizes()
+    llc = loading.last_level_cache_bytes()
+    assert near == 256 * 1024 and 96 * 2**20 <= far <= 2**30
+    assert llc is None or far >= min(3 * llc, 2**30)
