@@ -1,25 +1,36 @@
 // Fit each plotly figure of the page to the width it is drawn at (book/_ext/plotly_offline.py loads
 // this after plotly.min.js). A figure is built once for every width; on a phone its legend rows can
-// take most of its height, and a log axis's labels 1, 2, 5 no longer fit between its decades. So,
-// after every draw: grow the figure until its plot is at least MIN_PLOT_PX tall, and label each log
-// axis at 1, 2 and 5 of every decade where they fit, else at every decade (an axis whose notebook
-// set a dtick other than these two is left alone). When all figures have settled,
-// <html data-course-figures="fitted"> tells the browser test to look.
+// take most of its height, and tick labels that sat side by side on a laptop run into each other.
+// So, after every draw: grow the figure until its plot is at least MIN_PLOT_PX tall; label a log axis
+// at 1, 2 and 5 of each decade, or at every decade, or every second or third, the first of these whose
+// labels do not overlap; and turn an axis's category labels upright when they overlap lying down.
+// Axes whose notebook chose their own dtick or tickangle are left alone. When all figures have
+// settled, <html data-course-figures="fitted"> tells the browser test to look.
 (() => {
-  const MIN_PLOT_PX = 220;       // plot height below which a figure grows
-  const PX_PER_DECADE = {x: 170, y: 70};   // room for the labels 1, 2, 5 of one decade (x: "2,000" is wide)
+  const MIN_PLOT_PX = 220;              // plot height below which a figure grows
+  const LOG_STEPS = ['D2', 1, 2, 3];    // log-axis labels: 1-2-5 per decade, then every 1, 2, 3 decades
+
+  function overlapping(gd, ax) {
+    const boxes = [...gd.querySelectorAll(`.${ax._id}tick text`)].map(t => t.getBoundingClientRect())
+      .filter(r => r.width > 0).sort((a, b) => (a.left - b.left) || (a.top - b.top));
+    return boxes.some((a, i) => boxes.slice(i + 1).some(b =>
+      a.left < b.right - 1 && b.left < a.right - 1 && a.top < b.bottom - 1 && b.top < a.bottom - 1));
+  }
 
   function update(gd) {
     const fl = gd._fullLayout, out = {};
     if (gd._courseBase === undefined) gd._courseBase = fl.height;
     const height = Math.round(Math.max(gd._courseBase, fl.height + MIN_PLOT_PX - fl._size.h));
     if (Math.abs(height - fl.height) > 4) out.height = height;
-    for (const k of Object.keys(fl).filter(k => /^[xy]axis\d*$/.test(k) && fl[k].type === 'log')) {
-      const own = (gd.layout[k] || {}).dtick;
-      if (own !== undefined && own !== null && own !== 'D2' && own !== 1) continue;
-      const x = k[0] === 'x', span = (x ? fl._size.w : fl._size.h) * (fl[k].domain[1] - fl[k].domain[0]);
-      const want = span / Math.abs(fl[k].range[1] - fl[k].range[0]) >= PX_PER_DECADE[k[0]] ? 'D2' : 1;
-      if (own !== want) out[`${k}.dtick`] = want;
+    for (const k of Object.keys(fl).filter(k => /^[xy]axis\d*$/.test(k))) {
+      const ax = fl[k], own = gd.layout[k] || {};
+      if (!ax.visible || !ax.showticklabels || !overlapping(gd, ax)) continue;
+      if (ax.type === 'log') {
+        const at = LOG_STEPS.indexOf(own.dtick ?? 'D2');
+        if (at >= 0 && at + 1 < LOG_STEPS.length) out[`${k}.dtick`] = LOG_STEPS[at + 1];
+      } else if (ax.type === 'category' && k[0] === 'x' && (own.tickangle ?? 'auto') === 'auto') {
+        out[`${k}.tickangle`] = -90;
+      }
     }
     return out;
   }
@@ -32,13 +43,30 @@
     return Plotly.relayout(gd, out).then(() => fit(gd));
   }
 
-  function fitAll() {
+  function reset(gd) {   // on a resize, start again from each axis's own labels
+    const out = {};
+    for (const [key, value] of Object.entries(gd._courseOwn || {})) out[key] = value;
+    return Object.keys(out).length ? Plotly.relayout(gd, out) : Promise.resolve();
+  }
+
+  function remember(gd) {
+    if (gd._courseOwn || !gd.layout) return;
+    gd._courseOwn = {};
+    for (const k of Object.keys(gd.layout).filter(k => /^[xy]axis\d*$/.test(k))) {
+      gd._courseOwn[`${k}.dtick`] = gd.layout[k].dtick ?? null;
+      gd._courseOwn[`${k}.tickangle`] = gd.layout[k].tickangle ?? null;
+    }
+  }
+
+  function fitAll(again) {
     const figures = [...document.querySelectorAll('.js-plotly-plot')];
     document.documentElement.dataset.courseFigures = 'fitting';
-    return Promise.all(figures.map(fit)).then(() => { document.documentElement.dataset.courseFigures = 'fitted'; });
+    figures.forEach(remember);
+    return Promise.all(figures.map(gd => (again ? reset(gd) : Promise.resolve()).then(() => fit(gd))))
+      .then(() => { document.documentElement.dataset.courseFigures = 'fitted'; });
   }
 
   let timer;
-  window.addEventListener('load', fitAll);
-  window.addEventListener('resize', () => { clearTimeout(timer); timer = setTimeout(fitAll, 200); });
+  window.addEventListener('load', () => fitAll(false));
+  window.addEventListener('resize', () => { clearTimeout(timer); timer = setTimeout(() => fitAll(true), 200); });
 })();
