@@ -1936,14 +1936,20 @@ def page_of(claim: Claim) -> str:
     return PAGE_OF_CLAIM.get(claim.id) or CHAPTER_PAGES[claim.chapter]
 
 
-def first_sentence(text: str) -> str:
+def first_sentence(text: str, min_words: int = 8) -> str:
     """The reason a reader scans for: a verdict summary without its parenthetical asides, up to the end
-    of its first sentence, colon or semicolon (the ledger shows the whole summary a click away)."""
+    of its first sentence, colon or semicolon, and on to the next while that leaves under `min_words`
+    words ("The mechanism is as stated:" alone would not say why a verdict is qualified)."""
     text = text.strip()
     while (shorter := re.sub(r"\s*\([^()]*\)", "", text)) != text:
         text = shorter
-    head = re.split(r"(?<=\.)\s+(?=[A-Z])|[;:]\s", text, maxsplit=1)[0]
-    return head.rstrip(" .") + "."
+    parts = re.split(r"((?<=\.)\s+(?=[A-Z])|[;:]\s)", text)
+    head = parts[0]
+    for sep, clause in zip(parts[1::2], parts[2::2]):
+        if len(head.split()) >= min_words:
+            break
+        head += sep + clause
+    return head.rstrip(" .;:") + "."
 
 
 _LEDGER_CSS = """<style>
