@@ -182,9 +182,9 @@ def test_every_claim_links_to_the_page_that_checks_it():
     for c in claims.CLAIMS.values():
         page = book / f"{claims.page_of(c)}.ipynb"
         assert page.is_file() and re.search(rf"\b{c.id}\b", page.read_text()), f"{c.id}: {page} does not check it"
-    row = claims.ledger_html([(claims.CLAIMS["C16"], claims.Verdict("qualified", "The first sentence gives the reason. Second one."))])
+    row = claims.ledger_html([(claims.CLAIMS["C16"], claims.Verdict("qualified", "The first sentence here gives the whole reason. Second one."))])
     assert "href='../dispatch/ttft-jitter.html'" in row and "href='../appendix/ledger.html#claim-C16'" in row
-    assert ": The first sentence gives the reason.<details>" in row and "Second one." in row   # the reason in the row, the rest a click away
+    assert ": The first sentence here gives the whole reason.<details>" in row and "Second one." in row   # the reason in the row, the rest a click away
 
 
 def test_first_sentence_is_the_reason_without_its_asides():
