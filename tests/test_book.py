@@ -460,6 +460,7 @@ def test_run_it_locally_names_the_repository_from_wherever_the_book_is_built():
                    "https://token@github.com/someone/course", "ssh://git@github.com/someone/course.git"):
         assert rl.repository_url({}, remote) == "https://github.com/someone/course", remote
     assert rl.repository_url({}, "") is None and rl.repository_url({}, "/srv/git/course") is None
+    assert rl.theme_knows("https://github.com/someone/course") and not rl.theme_knows("https://example.org/c")
     lines = rl.commands("book/intro/roofline.ipynb", "https://github.com/someone/course")
     assert lines[:2] == ["git clone https://github.com/someone/course", "cd course"]
     assert lines[-1] == ".venv/bin/jupyter lab book/intro/roofline.ipynb"

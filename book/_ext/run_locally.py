@@ -2,8 +2,9 @@
 
 The repository is found where the book is built: `BOOK_REPOSITORY_URL` if set, else GitHub Actions'
 `GITHUB_SERVER_URL`/`GITHUB_REPOSITORY` (the publishing workflow, .github/workflows/book.yml), else
-the checkout's `origin` remote. When one is found, the theme shows its repository button and the box
-starts with `git clone`; when none is (a copy with no remote), the box starts from the copy's root.
+the checkout's `origin` remote. When one is found, the box starts with `git clone`, and the theme shows
+its repository button if it knows the host; when none is (a copy with no remote), the box starts from
+the copy's root.
 
 Every page made from a notebook gets the box under its title: the exact commands that set up the
 course's environment and open this notebook in JupyterLab, since a downloaded `.ipynb` alone cannot
@@ -36,6 +37,12 @@ def repository_url(env: dict[str, str] | None = None, remote: str | None = None)
     return f"https://{m[1] or m[2] or m[3]}/{m[4]}" if m else None
 
 
+def theme_knows(url: str) -> bool:
+    """Whether sphinx-book-theme can draw a repository button for `url`: it names GitHub, GitLab and
+    Bitbucket hosts only, and stops the build on any other."""
+    return any(host in url.lower() for host in ("github", "gitlab", "bitbucket"))
+
+
 def commands(notebook: str, url: str | None) -> list[str]:
     """The shell lines that take a reader from nothing to `notebook` (a path from the repository root)
     open in JupyterLab, with `ref_impl` importable."""
@@ -58,7 +65,7 @@ def box(notebook: str, url: str | None) -> str:
 
 def _set_repository(app, config) -> None:
     url = config.book_repository_url = repository_url()
-    if url:
+    if url and theme_knows(url):
         options = dict(config.html_theme_options or {})
         options.update(repository_url=url, use_repository_button=True, use_issues_button=True,
                        repository_branch=options.get("repository_branch") or "main", path_to_docs="")
