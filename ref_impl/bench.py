@@ -809,6 +809,21 @@ def read_results(experiment: str, results_dir: Path = RESULTS_DIR) -> list[tuple
     return out
 
 
+def recorded_copy_gbs(label: str, cpu: str, results_dir: Path = RESULTS_DIR) -> tuple[float, str]:
+    """(GB/s, file): the newest recorded memory bandwidth of one machine (its label and CPU), the roof
+    the chapters draw for it: bench's MLX copy ("bandwidth", variant copy), else twice bench --link's
+    256 MiB numpy host copy (which counts each byte once; a copy reads it and writes it). LookupError
+    when the machine has neither."""
+    for file, m, r in reversed(read_results("bandwidth", results_dir)):
+        if (m["label"], m["cpu"]) == (label, cpu) and r["variant"] == "copy":
+            return r["value"], file
+    for file, m, r in reversed(read_results("link", results_dir)):
+        if ((m["label"], m["cpu"]) == (label, cpu) and r["variant"] == "host copy (numpy)"
+                and r["metric"] == "copy_bandwidth" and r.get("bytes") == 256 << 20):
+            return 2 * r["value"], file
+    raise LookupError(f"no recorded copy bandwidth for {label} ({cpu}) in {results_dir}")
+
+
 def write_results(records: list[dict], out_dir: Path, command: str, label: str | None = None) -> Path:
     """Write results/<machine>-<date>.json in the course's one results shape."""
     machine = machine_info(label)

@@ -185,3 +185,20 @@ def test_bench_quant_groups_scores_each_group_on_the_same_windows(shipped_model)
         assert by[g, "heldout_perplexity"]["tokens"] == 1024
     assert by["none (float32)", "window_loss"]["value"] == pytest.approx(float_loss, rel=1e-6)
     assert by["every matrix", "window_loss"]["samples"] != by["none (float32)", "window_loss"]["samples"]
+
+
+def test_recorded_copy_bandwidth_prefers_the_newest_mlx_copy_then_twice_the_host_copy(tmp_path):
+    def write(name, label, records):
+        machine = {"label": label, "cpu": "Some CPU"}
+        (tmp_path / name).write_text(json.dumps({"schema": 1, "machine": machine, "records": records}))
+
+    copy = {"experiment": "link", "variant": "host copy (numpy)", "metric": "copy_bandwidth", "bytes": 256 << 20}
+    write("a-1.json", "a", [{**copy, "value": 10.0}, {**copy, "variant": "h2d pinned", "value": 50.0},
+                            {**copy, "bytes": 1 << 20, "value": 40.0}])
+    assert bench.recorded_copy_gbs("a", "Some CPU", tmp_path) == (20.0, "a-1.json")
+    bw = {"experiment": "bandwidth", "variant": "copy", "metric": "bandwidth"}
+    write("a-2.json", "a", [{**bw, "value": 30.0}])
+    write("a-3.json", "a", [{**bw, "value": 31.0}, {**bw, "variant": "read", "value": 99.0}])
+    assert bench.recorded_copy_gbs("a", "Some CPU", tmp_path) == (31.0, "a-3.json")
+    with pytest.raises(LookupError, match="no recorded copy bandwidth for b"):
+        bench.recorded_copy_gbs("b", "Some CPU", tmp_path)
