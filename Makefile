@@ -18,7 +18,7 @@ chromium:
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	@# MLX's CPU backend on Linux gets the system OpenBLAS, built for every CPU of its architecture
-	@# (ref_impl/blas.py); Debian/Ubuntu ship it as libopenblas0-pthread
+	@# (ref_impl/platform/blas.py); Debian/Ubuntu ship it as libopenblas0-pthread
 	@if [ "$$(uname)" = Linux ] && ! ldconfig -p | grep -qE 'libopenblasp?\.so\.0 '; then \
 	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libopenblas0-pthread; \

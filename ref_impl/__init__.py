@@ -1,16 +1,19 @@
 """ref_impl: the engine of "Local Inference Acceleration, measured".
 
 Small modules, one concept each, that compose into one working MLX decoder:
-gguf -> kquants -> model (+kvcache) -> generate -> bench -> results/.
+platform -> formats -> engine -> kernels -> training, measure -> ledger, with theory (numpy, first
+principles) and viz (figures) beside them; see DESIGN.md, "The engine".
 
 On Linux the MLX CPU wheel calls a slow reference BLAS; an optimized one is loaded here,
-before anything imports mlx (see blas.py).
+before anything imports mlx (see platform/blas.py).
 """
 
 from pathlib import Path
 
-from . import blas
+from ref_impl.platform import blas
 
 blas.load_optimized_blas()
 
-MODELS_DIR = Path(__file__).resolve().parent.parent / "models"  # the shipped GGUF models
+ROOT = Path(__file__).resolve().parent.parent
+MODELS_DIR = ROOT / "models"     # the shipped GGUF models
+RESULTS_DIR = ROOT / "results"   # measured results, one JSON file per machine and run

@@ -27,16 +27,16 @@ from pathlib import Path
 
 import numpy as np
 
-from . import gguf
-from .quantize import FILE_TYPES, quantize_file
+from ref_impl.formats import gguf
+from ref_impl.formats.quantize import FILE_TYPES, quantize_file
 
 
 def cmd_generate(a: argparse.Namespace) -> None:
     import mlx.core as mx
 
-    from . import kernels
-    from .generate import Sampler, generate
-    from .model import load
+    from ref_impl import kernels
+    from ref_impl.engine.generate import Sampler, generate
+    from ref_impl.engine.model import load
 
     sampler = Sampler(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed)  # checks before loading
     # MLX's quantized matmuls pay off on a GPU; on the CPU its float32 BLAS path is faster (see k-quants)
@@ -77,7 +77,7 @@ def cmd_inspect(a: argparse.Namespace) -> None:
         total = sum(t.nbytes for t in f.tensors.values())
         print(f"\n  {len(f.tensors)} tensors, {total / 1e6:.2f} MB of tensor data")
         if a.mlx:
-            from .transcode import plan
+            from ref_impl.engine.transcode import plan
 
             print("\n  in MLX (python -m ref_impl generate --weights native):")
             rows = [(p.name, p.ggml_type, p.representation, f"{p.bits_per_weight():.2f}" if p.bits else "-", p.reason)
@@ -102,12 +102,12 @@ def cmd_quantize(a: argparse.Namespace) -> None:
 
 
 def cmd_train(a: argparse.Namespace) -> None:
-    from .train import config_for, train
+    from ref_impl.training.train import config_for, train
 
     if bool(a.stdlib) != bool(a.corpus_python):
         raise ValueError("--stdlib and --corpus-python go together (the log records the corpus's version)")
     if a.mtp:  # MTP heads on a frozen model (mtp.py); the corpus and its split are the model's
-        from .mtp import MTPConfig, train_heads
+        from ref_impl.engine.mtp import MTPConfig, train_heads
 
         given = {"steps": a.steps, "seed": a.seed, "stdlib": a.stdlib, "corpus_python": a.corpus_python}
         log = train_heads(MTPConfig(base=a.mtp, **{k: v for k, v in given.items() if v is not None}),
@@ -125,31 +125,32 @@ def cmd_train(a: argparse.Namespace) -> None:
 def cmd_bench(a: argparse.Namespace) -> None:
     import tempfile
 
-    from .bench import args_for, bench_decode, bench_dispatch, bench_link, bench_quant, bench_shape, write_results
+    from ref_impl.measure.bench import args_for, bench_decode, bench_dispatch, bench_link, bench_quant, bench_shape
+    from ref_impl.measure.records import write_results
 
     with tempfile.TemporaryDirectory(dir=a.work_dir) as work:
         if a.dispatch:
             records = bench_dispatch(Path(a.model), a.shapes, a.quick,
                                      progress=lambda msg: print(msg, file=sys.stderr, flush=True))
         elif a.spec:
-            from .bench import bench_spec
+            from ref_impl.measure.bench import bench_spec
             heads = Path(a.mtp_heads or Path(a.model).with_name(Path(a.model).stem + "-mtp.gguf"))
             records = bench_spec(Path(a.model), Path(a.draft), heads if a.mtp_heads or heads.is_file() else None,
                                  a.quick, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
         elif a.kv:
-            from .bench import bench_kv
+            from ref_impl.measure.bench import bench_kv
             records = bench_kv(Path(a.model), a.shapes, a.quick,
                                progress=lambda msg: print(msg, file=sys.stderr, flush=True))
         elif a.link:
             records = bench_link(a.link_budget, a.link_max_bytes)
         elif a.unified:
-            from .bench import bench_unified
+            from ref_impl.measure.bench import bench_unified
             records = bench_unified(a.unified_max_bytes)
         elif a.alignment:
-            from .bench import bench_alignment
+            from ref_impl.measure.bench import bench_alignment
             records = bench_alignment(a.alignment_budget)
         elif a.quant_groups:
-            from .bench import bench_quant_groups
+            from ref_impl.measure.bench import bench_quant_groups
             if a.ppl_tokens <= 0:
                 raise ValueError("bench --quant-groups measures perplexity: --ppl-tokens must be positive")
             records = bench_quant_groups(Path(a.model), "Q4_K", a.ppl_tokens)
@@ -157,7 +158,7 @@ def cmd_bench(a: argparse.Namespace) -> None:
             records = bench_quant(Path(a.model), Path(work), a.quant, a.ppl_tokens, a.prompt_len, a.gen_tokens,
                                   a.repeats, peers=not a.no_peers)
         elif a.kernels:
-            from .bench import bench_kernels
+            from ref_impl.measure.bench import bench_kernels
             shape = a.shape or "Llama-3.1-8B"
             records = bench_kernels(shape, args_for(shape), a.weights, Path(work), a.prompt_len, a.gen_tokens,
                                     a.repeats, llama_bench_binary=Path(a.llama_bench) if a.llama_bench else None,
@@ -228,7 +229,7 @@ def parser() -> argparse.ArgumentParser:
                    help="quantized tensors as MLX quantized matrices (native) or expanded to floats; "
                         "auto: native on a GPU, float on the CPU")
     g.add_argument("--kernels", choices=["auto", "on", "off"], default="auto",
-                   help="our CUDA GEMV kernels (ref_impl/kernels.py) where a measurement at load finds them faster "
+                   help="our CUDA GEMV kernels (ref_impl/kernels/) where a measurement at load finds them faster "
                         "than MLX's built-ins; auto: on MLX's CUDA backend only; on: fail elsewhere")
     g.add_argument("--compile", action="store_true",
                    help="trace one decode step with mx.compile and replay it at every position (less host time "

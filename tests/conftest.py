@@ -94,7 +94,7 @@ def shipped_model() -> Path:
 def llama_q4_k_m(shipped_model, tmp_path_factory) -> Path:
     """The shipped model quantized to Q4_K_M by llama.cpp itself (Q4_K, Q6_K, and Q5_0/Q8_0 where
     rows of 384 are not a multiple of 256)."""
-    from ref_impl.quantize import with_llama_cpp
+    from ref_impl.formats.quantize import with_llama_cpp
 
     out = tmp_path_factory.mktemp("q4km") / "stdlib-10m-Q4_K_M.gguf"
     with_llama_cpp(shipped_model, out, "Q4_K_M")

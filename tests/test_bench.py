@@ -9,9 +9,11 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from ref_impl import bench, gguf
-from ref_impl.bench import bench_decode, forward_sweep, write_results
-from ref_impl.model import load_model
+from ref_impl.engine.model import load_model
+from ref_impl.formats import gguf
+from ref_impl.measure import bench
+from ref_impl.measure.bench import bench_decode, forward_sweep
+from ref_impl.measure.records import write_results
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +60,8 @@ def test_forward_sweep_times_each_length_and_respects_its_budget(random_llama):
 def test_bench_shape_reports_bytes_speed_and_bandwidth_share(tmp_path):
     """A tiny untied shape: bits per weight of each type, the bytes a step reads (every matrix and its
     scales, not the embedding table, plus the KV cache), and the share of bandwidth that implies."""
-    from ref_impl.bench import bench_shape
-    from ref_impl.model import ModelArgs
+    from ref_impl.engine.model import ModelArgs
+    from ref_impl.measure.bench import bench_shape
 
     args = ModelArgs(256, 256, 2, 512, 4, 2, max_position_embeddings=64, tie_word_embeddings=False)
     recs = bench_shape("tiny", args, ["F16", "Q4_K"], tmp_path, prompt_len=4, gen_tokens=4, repeats=1)
@@ -80,7 +82,7 @@ def test_bench_shape_reports_bytes_speed_and_bandwidth_share(tmp_path):
 
 
 def test_args_for_public_shapes():
-    from ref_impl.bench import args_for
+    from ref_impl.measure.bench import args_for
 
     a = args_for("Llama-3.1-8B")
     assert (a.hidden_size, a.num_hidden_layers, a.intermediate_size, a.num_key_value_heads) == (4096, 32, 14336, 8)
@@ -92,8 +94,8 @@ def test_args_for_public_shapes():
 def test_bench_link_records_host_copies_in_the_one_shape(tmp_path):
     """The CPU part of `bench --link`: one numpy copy record per size up to max_bytes, GB/s with samples;
     without PyTorch and a GPU, one "skipped" record that says why instead of device copies."""
-    from ref_impl.bench import bench_link
-    from ref_impl.interconnect import SIZES
+    from ref_impl.measure.bench import bench_link
+    from ref_impl.theory.interconnect import SIZES
 
     records = bench_link(budget_s=1.0, max_bytes=1 << 20)
     host = [r for r in records if r["variant"] == "host copy (numpy)"]
@@ -163,9 +165,9 @@ def test_a_missing_llama_bench_binary_is_named(tmp_path):
 
 
 def test_bench_quant_groups_scores_each_group_on_the_same_windows(shipped_model):
-    from ref_impl.quantize import MATRIX_GROUPS
-    from ref_impl.tokenizer import Tokenizer
-    from ref_impl.train import heldout_stream, mean_loss
+    from ref_impl.engine.tokenizer import Tokenizer
+    from ref_impl.formats.quantize import MATRIX_GROUPS
+    from ref_impl.training.train import heldout_stream, mean_loss
 
     records = bench.bench_quant_groups(shipped_model, "Q4_K", ppl_tokens=1024)
     by = {(r["variant"], r["metric"]): r for r in records}
@@ -195,10 +197,10 @@ def test_recorded_copy_bandwidth_prefers_the_newest_mlx_copy_then_twice_the_host
     copy = {"experiment": "link", "variant": "host copy (numpy)", "metric": "copy_bandwidth", "bytes": 256 << 20}
     write("a-1.json", "a", [{**copy, "value": 10.0}, {**copy, "variant": "h2d pinned", "value": 50.0},
                             {**copy, "bytes": 1 << 20, "value": 40.0}])
-    assert bench.recorded_copy_gbs("a", "Some CPU", tmp_path) == (20.0, "a-1.json")
+    assert records.recorded_copy_gbs("a", "Some CPU", tmp_path) == (20.0, "a-1.json")
     bw = {"experiment": "bandwidth", "variant": "copy", "metric": "bandwidth"}
     write("a-2.json", "a", [{**bw, "value": 30.0}])
     write("a-3.json", "a", [{**bw, "value": 31.0}, {**bw, "variant": "read", "value": 99.0}])
-    assert bench.recorded_copy_gbs("a", "Some CPU", tmp_path) == (31.0, "a-3.json")
+    assert records.recorded_copy_gbs("a", "Some CPU", tmp_path) == (31.0, "a-3.json")
     with pytest.raises(LookupError, match="no recorded copy bandwidth for b"):
-        bench.recorded_copy_gbs("b", "Some CPU", tmp_path)
+        records.recorded_copy_gbs("b", "Some CPU", tmp_path)

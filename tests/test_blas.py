@@ -1,4 +1,4 @@
-"""ref_impl.blas: the BLAS interposed under MLX's CPU backend computes what numpy computes.
+"""ref_impl.platform.blas: the BLAS interposed under MLX's CPU backend computes what numpy computes.
 
 Each check runs in a fresh interpreter, because only the import order (loader, then mlx)
 decides which BLAS MLX binds to. The fallbacks (no library, not OpenBLAS, a wrong sgemm, an
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ref_impl import blas
+from ref_impl.platform import blas
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,7 +29,7 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     if MLX_FIRST:
         import mlx.core
-    import ref_impl.blas as rb          # ref_impl/__init__ calls load_optimized_blas()
+    import ref_impl.platform.blas as rb          # ref_impl/__init__ calls load_optimized_blas()
     loaded = rb.load_optimized_blas()   # idempotent: same answer again
 import mlx.core as mx
 import numpy as np
@@ -96,7 +96,7 @@ def run_child(env_var: str | None = None, mlx_first: bool = False, **env_extra: 
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-# A stand-in OpenBLAS: the entry points ref_impl.blas calls and a plain, correct cblas_sgemm that counts its
+# A stand-in OpenBLAS: the entry points ref_impl.platform.blas calls and a plain, correct cblas_sgemm that counts its
 # calls. Like an OpenBLAS older than the CPU, it reports "Prescott" unless OPENBLAS_CORETYPE names a core.
 STAND_IN = r"""
 #include <stdlib.h>

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ref_impl import gguf
-from ref_impl.quantize import quantize_file
+from ref_impl.formats import gguf
+from ref_impl.formats.quantize import quantize_file
 from tests.conftest import write_random_llama
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -269,7 +269,7 @@ def test_bench_link_writes_link_records(tmp):
 def test_bench_kv_quick_writes_every_kv_experiment(tmp):
     """`bench --kv --quick`: perplexity and needle records per scheme, bytes per token, decode speed per cache
     variant (fused attention for the affine schemes) with the crossover, in one results file."""
-    from ref_impl.kvquant import CACHES, FUSED
+    from ref_impl.engine.kvquant import CACHES, FUSED
 
     out = tmp / "kv"
     r = cli("bench", "--kv", "--quick", "--out", out, "--label", "cli-kv", timeout=300)

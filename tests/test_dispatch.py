@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ref_impl import dispatch
-from ref_impl.dispatch import POLICIES, QueueConfig, simulate, steady_period
+from ref_impl.theory import queue
+from ref_impl.theory.queue import POLICIES, QueueConfig, simulate, steady_period
 
 # n = 4 kernels in B = 2 buffers of 2; c = 1, s = 2, h = 3
 CPU_BOUND = dict(kernels_per_token=4, kernels_per_buffer=2, encode_s=5.0, gpu_s=1.0,
@@ -28,7 +28,7 @@ BALANCED = dict(kernels_per_token=4, kernels_per_buffer=4, encode_s=2.0, gpu_s=(
                 commit_s=1.0, sync_s=2.0, host_s=3.0, n_tokens=4)
 
 
-def run(case: dict, policy: str, **kw) -> dispatch.Timeline:
+def run(case: dict, policy: str, **kw) -> queue.Timeline:
     return simulate(QueueConfig(**case, policy=policy, **kw))
 
 
@@ -131,7 +131,7 @@ def test_timeline_invariants(policy, depth):
         assert all(a.end == pytest.approx(b.start) for a, b in zip(ivs, ivs[1:]))
         assert all(iv.end > iv.start for iv in ivs)
     # totals: what each kind should add up to
-    total = {k: sum(iv.end - iv.start for iv in tl.cpu + tl.gpu if iv.kind == k) for k in dispatch.KINDS}
+    total = {k: sum(iv.end - iv.start for iv in tl.cpu + tl.gpu if iv.kind == k) for k in queue.KINDS}
     assert total["encode"] == pytest.approx(N * n * 2e-6)
     assert total["commit"] == pytest.approx(N * B * 5e-6)
     assert total["sync"] == pytest.approx(N * (B if policy == "per_buffer" else 1) * 8e-6)
@@ -169,20 +169,20 @@ def test_gantt_has_one_trace_per_kind_and_one_bar_per_interval():
     # per_token, CPU-bound, token 0 (0-29): CPU encode, commit, encode, commit, wait, sync, host (7);
     # GPU idle 0-11, kernels 11-13, idle 13-22, kernels 22-24, idle 24-29 (5, the last one clipped)
     tl = run(CPU_BOUND, "per_token")
-    fig = dispatch.gantt(tl, tokens=1)
-    assert [t.name for t in fig.data] == list(dispatch.KINDS)               # all 7 kinds present
+    fig = queue.gantt(tl, tokens=1)
+    assert [t.name for t in fig.data] == list(queue.KINDS)               # all 7 kinds present
     assert sum(len(t.x) for t in fig.data) == 12
     idle = next(t for t in fig.data if t.name == "idle")
     assert list(idle.base) == [0, 13e6, 24e6] and list(idle.x) == [11e6, 9e6, 5e6]   # µs
     assert set(idle.y) == {"GPU"} and "µs" in idle.hovertemplate
     # token 1's window (29-58): the idle gap 24-40 is clipped to 29-40
-    fig = dispatch.gantt(tl, tokens=1, first=1)
+    fig = queue.gantt(tl, tokens=1, first=1)
     idle = next(t for t in fig.data if t.name == "idle")
     assert idle.base[0] == 29e6 and idle.x[0] == 11e6 and sum(len(t.x) for t in fig.data) == 12
     # the whole double-buffered run: one bar per interval
     tl = run(BALANCED, "double_buffer")
-    fig = dispatch.gantt(tl, tokens=4)
+    fig = queue.gantt(tl, tokens=4)
     assert sum(len(t.x) for t in fig.data) == len(tl.cpu) + len(tl.gpu)
     assert fig.layout.xaxis.title.text == "Time (µs)"
     with pytest.raises(ValueError):
-        dispatch.gantt(tl, first=4)
+        queue.gantt(tl, first=4)

@@ -60,7 +60,7 @@ T1_RIGHT = T1_WEIGHTS + T1_KV  # 5,088,872,448
 
 
 def test_task_1_hand_numbers_agree_with_the_hand_formula():
-    from ref_impl.roofline import MODELS
+    from ref_impl.theory.roofline import MODELS
     assert params_by_hand(MODELS["Llama-3.1-8B"]) == LLAMA8B_PARAMS
     assert bytes_per_token(MODELS["Llama-3.1-8B"], 4, 8192) == T1_RIGHT
 
@@ -251,7 +251,7 @@ def test_gguf_task_1_accepts_the_padded_offset_and_a_right_function():
 
 def test_gguf_task_1_matches_what_gguf_write_does(tmp_path):
 
-    from ref_impl import gguf
+    from ref_impl.formats import gguf
     for alignment in (1, 32, 64):
         path = tmp_path / f"a{alignment}.gguf"
         gguf.write(path, {}, {"a": np.zeros(7, np.float32), "b": np.zeros(3, np.float16)}, alignment=alignment)
@@ -509,7 +509,7 @@ def decode_swapped_d(block):
 
 def decode_swapped_scales(block):
 
-    from ref_impl.kquants import pack_scales_q4_k
+    from ref_impl.formats.kquants import pack_scales_q4_k
     s, m = unpack_by_hand(block[4:16])
     return decode_by_hand(with_bytes(block, 4, pack_scales_q4_k(np.array([m]), np.array([s]))[0]))
 
@@ -520,7 +520,7 @@ def decode_unit_min(block):
 
 def decode_no_high_scale_bits(block):
 
-    from ref_impl.kquants import pack_scales_q4_k
+    from ref_impl.formats.kquants import pack_scales_q4_k
     s, m = unpack_no_high_bits(block[4:16])
     return decode_by_hand(with_bytes(block, 4, pack_scales_q4_k(np.array([s]), np.array([m]))[0]))
 

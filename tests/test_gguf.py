@@ -1,4 +1,4 @@
-"""Tests for ref_impl.gguf (GGUF v3 reader/writer) and the Q8_0 part of ref_impl.kquants.
+"""Tests for ref_impl.formats.gguf (GGUF v3 reader/writer) and the Q8_0 part of ref_impl.formats.kquants.
 
 Oracle: llama.cpp's own Python package `gguf` (GGUFReader, GGUFWriter, gguf.quants).
 """
@@ -20,9 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from ref_impl.gguf import (BLOCK, GGMLType, GGUFError, TensorData, Value, ValueType, read, tensor_nbytes,
-                           write)
-from ref_impl.kquants import dequantize_q8_0, quantize_q8_0
+from ref_impl.formats.gguf import BLOCK, GGMLType, GGUFError, TensorData, Value, ValueType, read, tensor_nbytes, write
+from ref_impl.formats.kquants import dequantize_q8_0, quantize_q8_0
 
 T = ValueType
 Q8 = gguf_py.GGMLQuantizationType.Q8_0

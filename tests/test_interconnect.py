@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ref_impl import interconnect as ic
-from ref_impl import roofline
+from ref_impl.theory import interconnect as ic
+from ref_impl.theory import roofline
 
 
 def test_pcie_link_rates_by_hand():

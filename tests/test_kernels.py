@@ -1,4 +1,4 @@
-"""The custom GEMV kernels (ref_impl/kernels.py).
+"""The custom GEMV kernels (ref_impl/kernels/).
 
 On any machine: the launch configuration (every row and input covered, bytes, occupancy), the layout
 and float tricks the CUDA source relies on, checked against mx.quantize/mx.dequantize, the generated
@@ -35,12 +35,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ref_impl import MODELS_DIR, bench, gemv_cuda, kernels
-from ref_impl.bench import args_for, bench_kernels
-from ref_impl.generate import Sampler, generate_step
-from ref_impl.latency import TINY, random_model
-from ref_impl.model import load
-from ref_impl.roofline import MODELS, matmul_shapes
+from ref_impl import MODELS_DIR, kernels
+from ref_impl.engine.generate import Sampler, generate_step
+from ref_impl.engine.model import load
+from ref_impl.kernels import cuda
+from ref_impl.measure import bench
+from ref_impl.measure.bench import args_for, bench_kernels
+from ref_impl.measure.latency import TINY, random_model
+from ref_impl.theory.roofline import MODELS, matmul_shapes
 
 try:
     import pytest
@@ -249,7 +251,7 @@ def test_layout_matches_mx_dequantize():
 
 
 def test_float_tricks_in_the_source_are_exact():
-    src = gemv_cuda.HEADER
+    src = cuda.HEADER
     magic = int(re.search(r"\| (0x[0-9A-Fa-f]+)u\)", src).group(1), 16)   # ORed into the code's word
     shift = int(re.search(r"v >> (\d+);", src).group(1))                     # codes 5-7 come from v >> shift
     offset = -float(re.search(r"-(\d+)\.0f \* inv", src).group(1))
@@ -278,7 +280,7 @@ def test_float_tricks_in_the_source_are_exact():
 def test_kernel_bodies_name_their_inputs():
     for dense in (False, True):
         for fuse in kernels.FUSES:
-            body, names = gemv_cuda.body(dense, fuse), kernels.input_names(dense, fuse)
+            body, names = cuda.body(dense, fuse), kernels.input_names(dense, fuse)
             mats = {"": 1, "glu": 2, "qkv": 3}[fuse]
             assert names == ["x"] + [f"{a}{i}" for i in range(mats) for a in (("w",) if dense else ("w", "s", "b"))]
             for name in names[1:]:
@@ -287,8 +289,8 @@ def test_kernel_bodies_name_their_inputs():
             assert "w0_shape" in body and ("w2_shape" in body) == (fuse == "qkv") and "x_shape" not in body
             for y in ("y0", "y1", "y2")[:3 if fuse == "qkv" else 1]:
                 assert re.search(rf"\b{y}\b", body)
-    small = gemv_cuda.minified(gemv_cuda.HEADER)
-    assert "//" not in small and len(small) < 0.8 * len(gemv_cuda.HEADER) and "ld.global.nc" in small
+    small = cuda.minified(cuda.HEADER)
+    assert "//" not in small and len(small) < 0.8 * len(cuda.HEADER) and "ld.global.nc" in small
 
 
 # --- in the decoder, any backend ------------------------------------------------------------------------
@@ -439,7 +441,7 @@ def test_bench_kernels_off_cuda_is_one_skipped_record(tmp_path, monkeypatch):
 def test_bench_kernels_quick_flow_with_stand_in_kernels(tmp_path):
     """bench --kernels --quick end to end on the CPU, our kernels stood in for by MLX's matmuls: every decode
     variant (compiled or not) is timed and its tokens match MLX's built-ins exactly."""
-    from ref_impl.model import ModelArgs
+    from ref_impl.engine.model import ModelArgs
 
     cuda = compile_adds_primitives()   # (stand-ins are several primitives each: not counted)
     saved = kernels._runner, kernels.on_cuda

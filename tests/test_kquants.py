@@ -7,18 +7,17 @@ from __future__ import annotations
 
 import zlib
 
+import ggml_oracle
 import gguf
 import numpy as np
 import pytest
+from conftest import random_kquant_blocks
 from gguf import quants
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from ref_impl import kquants
-
-import ggml_oracle
-from conftest import random_kquant_blocks
+from ref_impl.formats import kquants
 
 TYPES = ["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 K_TYPES = ["Q4_K", "Q5_K", "Q6_K"]
@@ -84,8 +83,8 @@ def test_decoder_runs_a_llama_cpp_q4_k_m_file(llama_q4_k_m):
     import llama_cpp
     import mlx.core as mx
 
-    from ref_impl import gguf as our_gguf
-    from ref_impl.model import load
+    from ref_impl.engine.model import load
+    from ref_impl.formats import gguf as our_gguf
 
     with our_gguf.read(llama_q4_k_m) as f:
         types = {t.type.name for t in f.tensors.values()}
@@ -193,7 +192,7 @@ def test_k_quants_write_llama_cpps_bytes_for_subnormal_input(fma_free_oracle, na
 def test_quantize_shipped_weights_like_llama_cpp(fma_free_oracle, shipped_model, name, tensor):
     """Real weights. Rows of 384 are no multiple of 256; the *_ref functions only see blocks, so the
     K-quants get the tensor flattened (llama.cpp itself would write Q5_0 for such a Q4_K tensor)."""
-    from ref_impl import gguf as our_gguf
+    from ref_impl.formats import gguf as our_gguf
 
     with our_gguf.read(shipped_model) as f:
         w = np.array(f.array(tensor), dtype=np.float32)

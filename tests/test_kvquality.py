@@ -10,9 +10,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ref_impl import kvquality, roofline, train
-from ref_impl.latency import random_model
-from ref_impl.model import ModelArgs, load
+from ref_impl.engine.model import ModelArgs, load
+from ref_impl.measure import kv
+from ref_impl.measure.latency import random_model
+from ref_impl.theory import roofline
+from ref_impl.training import train
 
 CONTEXT, WINDOWS = 128, 2
 
@@ -27,14 +29,14 @@ def shipped(shipped_model):
 @pytest.fixture(scope="module")
 def float_ppl(shipped):
     model, stream = shipped
-    return kvquality.cache_perplexity(model, stream, kvquality.FLOAT, CONTEXT, WINDOWS)
+    return kv.cache_perplexity(model, stream, kv.FLOAT, CONTEXT, WINDOWS)
 
 
 def test_capture_matches_model_and_rope_keeps_pair_norms(shipped):
     model, stream = shipped
     a = model.args
     tokens = mx.array(stream[None, 1000:1000 + CONTEXT])
-    captured = kvquality.capture_keys_values(model, tokens)
+    captured = kv.capture_keys_values(model, tokens)
     assert len(captured) == a.num_hidden_layers
     for pre, post, v in captured:
         assert pre.shape == post.shape == v.shape == (1, a.num_key_value_heads, CONTEXT, a.head_dim)
@@ -47,14 +49,14 @@ def test_capture_matches_model_and_rope_keeps_pair_norms(shipped):
     model(tokens, cache)
     np.testing.assert_allclose(captured[-1][1], np.array(cache[-1].state[0]), rtol=1e-4, atol=1e-5)
 
-    mags = kvquality.key_value_magnitudes(model, tokens)
+    mags = kv.key_value_magnitudes(model, tokens)
     for name in ("keys_pre_rope", "keys_post_rope", "values"):
         for stat in ("mean", "max"):
             assert mags[name][stat].shape == (a.num_hidden_layers, a.num_key_value_heads, a.head_dim)
         assert (mags[name]["max"] >= mags[name]["mean"]).all()
-    counts = kvquality.outlier_channels(mags, 4.0)
+    counts = kv.outlier_channels(mags, 4.0)
     assert len(counts) == a.num_hidden_layers and all(0 <= c <= a.num_key_value_heads * a.head_dim for c in counts)
-    assert kvquality.outlier_channels(mags, 0.0) == [a.num_key_value_heads * a.head_dim] * a.num_hidden_layers
+    assert kv.outlier_channels(mags, 0.0) == [a.num_key_value_heads * a.head_dim] * a.num_hidden_layers
 
 
 def test_per_channel_rounding_beats_per_token_with_outlier_channels():
@@ -62,7 +64,7 @@ def test_per_channel_rounding_beats_per_token_with_outlier_channels():
     keys = rng.standard_normal((2, 64, 32)).astype(np.float32)
     keys[..., 5] *= 30.0                       # one outlier channel
     for bits in (8, 4):
-        err = kvquality.per_channel_rounding_error(keys, bits)
+        err = kv.per_channel_rounding_error(keys, bits)
         assert err["per_token"].shape == err["per_channel"].shape == (32,)
         normal = np.arange(32) != 5
         # per token, the outlier sets every channel's step: the ordinary channels lose far more
@@ -76,26 +78,26 @@ def test_float_cache_perplexity_equals_mean_loss(shipped, float_ppl):
     expected = math.exp(train.mean_loss(model, stream, CONTEXT, max_tokens=WINDOWS * CONTEXT, spread=True))
     assert float_ppl == pytest.approx(expected, rel=1e-4)
     # token by token reads the same history
-    ppl_1 = kvquality.cache_perplexity(model, stream, kvquality.FLOAT, 32, 1, chunk=1)
+    ppl_1 = kv.cache_perplexity(model, stream, kv.FLOAT, 32, 1, chunk=1)
     assert ppl_1 == pytest.approx(math.exp(train.mean_loss(model, stream, 32, max_tokens=32, spread=True)), rel=1e-4)
 
 
 @pytest.mark.parametrize("scheme", ["sym8", "affine8-g64"])
 def test_8bit_schemes_near_float(shipped, float_ppl, scheme):
     model, stream = shipped
-    ppl = kvquality.cache_perplexity(model, stream, scheme, CONTEXT, WINDOWS)
+    ppl = kv.cache_perplexity(model, stream, scheme, CONTEXT, WINDOWS)
     assert ppl != float_ppl and abs(ppl / float_ppl - 1) < 0.01
 
 
 def test_4bit_sym_costs_more_than_8bit(shipped, float_ppl):
     model, stream = shipped
-    p8, p4 = (kvquality.cache_perplexity(model, stream, s, CONTEXT, WINDOWS) for s in ("sym8", "sym4"))
+    p8, p4 = (kv.cache_perplexity(model, stream, s, CONTEXT, WINDOWS) for s in ("sym8", "sym4"))
     assert abs(p4 - float_ppl) > abs(p8 - float_ppl)
 
 
 def test_memory_table_matches_hand_formulas():
     contexts = (8192, 131072)
-    rows = kvquality.memory_table(["Llama-3.1-8B"], contexts, ["float", "sym8", "sym4", "affine4-g64", "kivi2"])
+    rows = kv.memory_table(["Llama-3.1-8B"], contexts, ["float", "sym8", "sym4", "affine4-g64", "kivi2"])
     got = {(r["scheme"], r["context"]): r["bytes"] for r in rows}
     layers, heads, hd = 32, 8, 128   # Llama-3.1-8B config.json
     per_head = {                     # bytes one token adds per layer, KV head and tensor (K or V)
@@ -126,9 +128,9 @@ def needle_setup(shipped_model):
 
 def test_needle_prompts_plant_the_name_and_cue_it(needle_setup):
     tok, texts = needle_setup
-    trials = kvquality.needle_trials(tok, texts, 6, context=512, distance=128, seed=1)
-    assert [t.name for t in trials] == [t.name for t in kvquality.needle_trials(tok, texts, 6, 512, 128, seed=1)]
-    assert [t.name for t in trials] != [t.name for t in kvquality.needle_trials(tok, texts, 6, 512, 128, seed=2)]
+    trials = kv.needle_trials(tok, texts, 6, context=512, distance=128, seed=1)
+    assert [t.name for t in trials] == [t.name for t in kv.needle_trials(tok, texts, 6, 512, 128, seed=1)]
+    assert [t.name for t in trials] != [t.name for t in kv.needle_trials(tok, texts, 6, 512, 128, seed=2)]
     joined = "".join(texts)
     for t in trials:
         word = tok.decode([t.target])
@@ -141,16 +143,16 @@ def test_needle_prompts_plant_the_name_and_cue_it(needle_setup):
         assert 128 - 40 < t.distance <= 128 and t.prompt[-t.distance:] == t.control[-t.distance:]
         assert tok.decode(t.prompt[:-t.distance]).endswith(f"self.{t.name}()\n        self.{t.name}()\n\n")
     with pytest.raises(ValueError, match="leaves no room"):
-        kvquality.needle_trials(tok, texts, 1, context=512, distance=500)
+        kv.needle_trials(tok, texts, 1, context=512, distance=500)
 
 
 def test_needle_float_cache_retrieves_and_control_does_not(shipped, needle_setup):
     """At 128 tokens the float model copies most needles; without one it never guesses the word. The cached
     prefill reads what an uncached forward computes."""
     model, _ = shipped
-    trials = kvquality.needle_trials(*needle_setup, 8, context=512, distance=128, seed=0)
-    hits, logp = kvquality.needle_retrieval(model, trials, kvquality.FLOAT, batch=4)
-    control_hits, control_logp = kvquality.needle_retrieval(model, trials, kvquality.FLOAT, control=True)
+    trials = kv.needle_trials(*needle_setup, 8, context=512, distance=128, seed=0)
+    hits, logp = kv.needle_retrieval(model, trials, kv.FLOAT, batch=4)
+    control_hits, control_logp = kv.needle_retrieval(model, trials, kv.FLOAT, control=True)
     assert sum(hits) >= 5 and sum(control_hits) == 0
     assert np.mean(logp) > np.mean(control_logp) + 3
     logits = model(mx.array([t.prompt for t in trials]))[:, -1].astype(mx.float32)
@@ -168,38 +170,38 @@ SMALL = ModelArgs(vocab_size=128, hidden_size=128, num_hidden_layers=2, intermed
 
 def test_fill_random_stores_context_positions():
     model = random_model(SMALL, mx.float32)
-    for scheme in (kvquality.FLOAT, "affine4-g64", "kivi4"):
-        caches = kvquality.make_scheme_caches(model, scheme, 1, 100)
-        kvquality.fill_random(caches, 70, chunk=32)
+    for scheme in (kv.FLOAT, "affine4-g64", "kivi4"):
+        caches = kv.make_scheme_caches(model, scheme, 1, 100)
+        kv.fill_random(caches, 70, chunk=32)
         for c in caches:
             keys, values = c.state
             assert c.offset == 70 and keys.shape == values.shape == (1, 1, 70, 64)
             assert 0.8 < np.array(keys).std() < 1.2 and not np.array_equal(np.array(keys), np.array(values))
     with pytest.raises(ValueError, match="takes no parameters"):
-        kvquality.make_scheme_caches(model, kvquality.FLOAT, 1, 8, fused=True)
+        kv.make_scheme_caches(model, kv.FLOAT, 1, 8, fused=True)
 
 
 def test_decode_speed_measures_every_variant_at_each_context():
     model = random_model(SMALL, mx.float32)
-    variants = [(kvquality.FLOAT, False), ("affine4-g64", False), ("affine4-g64", True), ("kivi4", False)]
-    points = kvquality.decode_speed(model, "small", variants, [40, 16], n_tokens=3, repeats=2)
+    variants = [(kv.FLOAT, False), ("affine4-g64", False), ("affine4-g64", True), ("kivi4", False)]
+    points = kv.decode_speed(model, "small", variants, [40, 16], n_tokens=3, repeats=2)
     assert [(p.context, p.scheme, p.fused) for p in points] == [(c, s, f) for c in (16, 40) for s, f in variants]
     for p in points:
         assert p.model == "small" and p.tokens_per_s > 0 and len(p.tokens_per_s_runs) == 2 and p.itl_p50_ms > 0
     size = {(p.scheme, p.fused, p.context): p.cache_bytes for p in points}
-    assert size[("affine4-g64", True, 40)] == size[("affine4-g64", False, 40)] < size[(kvquality.FLOAT, False, 40)]
-    assert size[(kvquality.FLOAT, False, 40)] == 2 * 2 * 64 * (40 + 3 + 2) * 4     # layers, K and V, f32
-    assert [p.context for p in kvquality.decode_speed(model, "small", variants[:1], [8, 16], 3, 1, budget_s=0.0)] == [8]
+    assert size[("affine4-g64", True, 40)] == size[("affine4-g64", False, 40)] < size[(kv.FLOAT, False, 40)]
+    assert size[(kv.FLOAT, False, 40)] == 2 * 2 * 64 * (40 + 3 + 2) * 4     # layers, K and V, f32
+    assert [p.context for p in kv.decode_speed(model, "small", variants[:1], [8, 16], 3, 1, budget_s=0.0)] == [8]
 
 
 def test_crossover_is_where_the_variant_stays_faster():
     def points(float_rates, rates):
         ctx = [256, 1024, 4096, 16384]
-        return ([kvquality.SpeedPoint("m", kvquality.FLOAT, False, c, r, [r], 1.0, 0) for c, r in zip(ctx, float_rates)]
-                + [kvquality.SpeedPoint("m", "sym8", False, c, r, [r], 1.0, 0) for c, r in zip(ctx, rates)])
+        return ([kv.SpeedPoint("m", kv.FLOAT, False, c, r, [r], 1.0, 0) for c, r in zip(ctx, float_rates)]
+                + [kv.SpeedPoint("m", "sym8", False, c, r, [r], 1.0, 0) for c, r in zip(ctx, rates)])
 
-    assert kvquality.crossover(points([10, 10, 8, 5], [7, 9, 9, 6]), "sym8", False) == 4096
-    assert kvquality.crossover(points([10, 10, 8, 5], [11, 9, 9, 6]), "sym8", False) == 4096    # not 256: it dips
-    assert kvquality.crossover(points([10, 10, 8, 5], [11, 11, 9, 6]), "sym8", False) == 256
-    assert kvquality.crossover(points([10, 10, 8, 5], [11, 11, 9, 4]), "sym8", False) is None   # slower at the end
-    assert kvquality.crossover(points([10, 10, 8, 5], [11, 11, 9, 6]), "sym8", True) is None    # no such variant
+    assert kv.crossover(points([10, 10, 8, 5], [7, 9, 9, 6]), "sym8", False) == 4096
+    assert kv.crossover(points([10, 10, 8, 5], [11, 9, 9, 6]), "sym8", False) == 4096    # not 256: it dips
+    assert kv.crossover(points([10, 10, 8, 5], [11, 11, 9, 6]), "sym8", False) == 256
+    assert kv.crossover(points([10, 10, 8, 5], [11, 11, 9, 4]), "sym8", False) is None   # slower at the end
+    assert kv.crossover(points([10, 10, 8, 5], [11, 11, 9, 6]), "sym8", True) is None    # no such variant

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ref_impl import kvquant
-from ref_impl.generate import Sampler, generate_step
-from ref_impl.kvcache import KVCache
-from ref_impl.model import load
+from ref_impl.engine import kvquant
+from ref_impl.engine.generate import Sampler, generate_step
+from ref_impl.engine.kvcache import KVCache
+from ref_impl.engine.model import load
 
 KINDS = list(kvquant.CACHES)
 B, H, D = 1, 2, 64

@@ -18,11 +18,22 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ref_impl import latency, loading
-from ref_impl.latency import (MODES, CompileCost, DecodeRate, JitterRun, KernelLatency, break_even,
-                               decode_modes, kv_jitter, layer_eval_step, random_model, shape_args)
-from ref_impl.generate import Sampler, generate_step
-from ref_impl.kvcache import CACHES, ChunkedKVCache, ConcatKVCache, KVCache, make_caches
+from ref_impl.engine.generate import Sampler, generate_step
+from ref_impl.engine.kvcache import CACHES, ChunkedKVCache, ConcatKVCache, KVCache, make_caches
+from ref_impl.measure import latency, loads
+from ref_impl.measure.latency import (
+    MODES,
+    CompileCost,
+    DecodeRate,
+    JitterRun,
+    KernelLatency,
+    break_even,
+    decode_modes,
+    kv_jitter,
+    layer_eval_step,
+    random_model,
+    shape_args,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENTS = {"dispatch-async", "dispatch-layer-eval", "first-call", "kernel-latency", "kv-jitter", "wired",
@@ -134,7 +145,7 @@ def test_first_call_in_a_fresh_process(shipped_model):
 
 
 def test_first_call_child_refuses_bad_arguments():
-    r = subprocess.run([sys.executable, "-m", "ref_impl.latency", "first-call"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "ref_impl.measure.latency", "first-call"], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.startswith("usage:")
 
@@ -187,7 +198,7 @@ def test_shapes():
 
 
 def test_wired_reads():
-    res = loading.wired_reads(1 << 20, 256 << 10, repeats=1)
+    res = loads.wired_reads(1 << 20, 256 << 10, repeats=1)
     assert [r.variant for r in res] == ["first_touch", "prefaulted", "mlocked"]
     for r in res:
         assert r.buffer_bytes == 1 << 20 and len(r.tensor_read_ms) == 4 and r.read_ms > 0 and r.gb_per_s > 0
@@ -200,11 +211,11 @@ def test_wired_reads():
 
 
 def test_wired_reads_records_a_failed_mlock(monkeypatch):
-    monkeypatch.setattr(loading, "_mlock", lambda address, n, lock=True: "mlock failed: Operation not permitted")
-    (r,) = loading.wired_reads(1 << 20, 1 << 20, repeats=1, variants=("mlocked",))
+    monkeypatch.setattr(loads, "_mlock", lambda address, n, lock=True: "mlock failed: Operation not permitted")
+    (r,) = loads.wired_reads(1 << 20, 1 << 20, repeats=1, variants=("mlocked",))
     assert r.locked is False and "not permitted" in r.error and r.read_ms > 0
     with pytest.raises(ValueError, match="wired_reads needs"):
-        loading.wired_reads(1024, 4096)
+        loads.wired_reads(1024, 4096)
 
 
 # ---- the CLI --------------------------------------------------------------------------------------

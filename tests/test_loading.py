@@ -1,5 +1,5 @@
 """gguf.layout against llama.cpp's own reader (gguf-py's GGUFReader offsets), and the load and
-throughput measurements of ref_impl.loading: they run, stop after their budget of rounds, and return sane fields."""
+throughput measurements of ref_impl.measure.loads: they run, stop after their budget of rounds, and return sane fields."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import gguf as gguf_py
 import numpy as np
 import pytest
 
-from ref_impl import gguf, loading
-from ref_impl.gguf import GGMLType, TensorData
+from ref_impl.formats import gguf
+from ref_impl.formats.gguf import GGMLType, TensorData
+from ref_impl.measure import loads
 
 
 def oracle_regions(path) -> list[tuple[int, int]]:
@@ -115,32 +116,32 @@ def test_throughput_sweep_reads_only_normal_floats_at_every_offset(monkeypatch):
     # for a reason that has nothing to do with alignment: catch every buffer the sweep builds.
     seen = []
     for name in ("_numpy_views", "_mlx_views"):
-        make = getattr(loading, name)
-        monkeypatch.setattr(loading, name, lambda *a, _make=make, _name=name:
+        make = getattr(loads, name)
+        monkeypatch.setattr(loads, name, lambda *a, _make=make, _name=name:
                             seen.append((_name, _make(*a))) or seen[-1][1])
     offsets = tuple(range(8)) + (16, 32, 64)                # every byte shift of a float32, and more
-    loading.throughput_sweep(offsets=offsets, sizes=(64 * 1024,), budget_s=0)
+    loads.throughput_sweep(offsets=offsets, sizes=(64 * 1024,), budget_s=0)
     assert {name for name, _ in seen} == {"_numpy_views", "_mlx_views"}
     for name, (_, views) in seen:
         assert set(views) == ({o for o in offsets if o % 4 == 0} if name == "_mlx_views" else set(offsets))
         for off, v in views.items():
             v = np.array(v, dtype=np.float32)
             assert v.size == 64 * 1024 // 4 and _normal(v).all(), (name, off)
-            x = np.random.default_rng(off).standard_normal(loading.GEMV_COLS, dtype=np.float32)
-            w = v[:v.size // loading.GEMV_COLS * loading.GEMV_COLS].reshape(-1, loading.GEMV_COLS)
+            x = np.random.default_rng(off).standard_normal(loads.GEMV_COLS, dtype=np.float32)
+            w = v[:v.size // loads.GEMV_COLS * loads.GEMV_COLS].reshape(-1, loads.GEMV_COLS)
             assert _normal(w * x).all(), (name, off)             # a GEMV's products too
     # the fill itself: random (seeded), and normal at each of the four byte shifts
-    raw = loading.fill_bytes(4 * 10_000 + 3, np.random.default_rng(1))
-    assert np.array_equal(raw, loading.fill_bytes(raw.size, np.random.default_rng(1)))
-    assert len(np.unique(raw)) == loading.FILL_BYTES.size
+    raw = loads.fill_bytes(4 * 10_000 + 3, np.random.default_rng(1))
+    assert np.array_equal(raw, loads.fill_bytes(raw.size, np.random.default_rng(1)))
+    assert len(np.unique(raw)) == loads.FILL_BYTES.size
     for shift in range(4):
         assert _normal(raw[shift:shift + 4 * 10_000].view(np.float32)).all(), shift
 
 
 def test_throughput_sweep_returns_every_offset_with_units_and_keeps_its_budget():
     # no budget left: the three rounds every timing takes at least, no more
-    assert {r.rounds for r in loading.throughput_sweep(offsets=(0, 4), sizes=(64 * 1024,), budget_s=0)} == {3}
-    rows = loading.throughput_sweep(offsets=(0, 1, 4, 32), sizes=(64 * 1024,), budget_s=0.5)
+    assert {r.rounds for r in loads.throughput_sweep(offsets=(0, 4), sizes=(64 * 1024,), budget_s=0)} == {3}
+    rows = loads.throughput_sweep(offsets=(0, 1, 4, 32), sizes=(64 * 1024,), budget_s=0.5)
     assert all(r.rounds >= 3 for r in rows)
     got = {(r.backend, r.op, r.offset_bytes) for r in rows}
     assert got == {(b, op, o) for b in ("numpy", "mlx") for op in ("sum", "gemv") for o in (0, 1, 4, 32)
@@ -153,24 +154,24 @@ def test_throughput_sweep_returns_every_offset_with_units_and_keeps_its_budget()
 
 
 def test_write_synthetic_and_evict(tmp_path):
-    path = loading.write_synthetic(tmp_path / "s.gguf", total_mb=2, n_tensors=4)
+    path = loads.write_synthetic(tmp_path / "s.gguf", total_mb=2, n_tensors=4)
     with gguf.read(path) as f:
         assert len(f.tensors) == 4 and f.metadata["general.architecture"] == "synthetic"
         assert 1.5e6 < sum(t.nbytes for t in f.tensors.values()) <= 2e6
         assert float(f.array("blk.3.weight")[0, 0]) == 3 / 8
-    assert loading.evict(path) is hasattr(os, "posix_fadvise")
+    assert loads.evict(path) is hasattr(os, "posix_fadvise")
 
 
 def test_rss_has_total_anon_and_file_in_mb():
-    m = loading.rss_mb()
+    m = loads.rss_mb()
     assert set(m) == {"rss", "anon", "file"} and 1 < m["rss"] < 1e6
 
 
-@pytest.mark.parametrize("method", loading.METHODS)
+@pytest.mark.parametrize("method", loads.METHODS)
 def test_measure_load_reports_time_and_resident_memory(tmp_path, method):
-    path = loading.write_synthetic(tmp_path / "s.gguf", total_mb=16, n_tensors=4)
+    path = loads.write_synthetic(tmp_path / "s.gguf", total_mb=16, n_tensors=4)
     for cache in ("cold", "warm") if hasattr(os, "posix_fadvise") else ("warm",):
-        t = loading.measure_load(path, method, cache)
+        t = loads.measure_load(path, method, cache)
         assert t.method == method and t.cache == cache and math.isclose(t.file_mb, os.path.getsize(path) / 1e6)
         assert t.open_s > 0 and t.first_pass_s > 0
         if os.path.exists("/proc/self/status"):
@@ -180,32 +181,32 @@ def test_measure_load_reports_time_and_resident_memory(tmp_path, method):
             else:                     # a private copy on the heap
                 assert t.anon_pass_mb > 0.8 * t.file_mb
     with pytest.raises(ValueError):
-        loading.measure_load(path, "copy")
+        loads.measure_load(path, "copy")
 
 
 def test_load_comparison_covers_methods_and_caches(tmp_path):
-    path = loading.write_synthetic(tmp_path / "s.gguf", total_mb=4, n_tensors=2)
-    rows = loading.load_comparison(path, methods=("mmap", "read"))
+    path = loads.write_synthetic(tmp_path / "s.gguf", total_mb=4, n_tensors=2)
+    rows = loads.load_comparison(path, methods=("mmap", "read"))
     caches = ("cold", "warm") if hasattr(os, "posix_fadvise") else ("warm",)
     assert [(r.cache, r.method) for r in rows] == [(c, m) for c in caches for m in ("mmap", "read")]
 
 
 def test_a_recorded_sweep_reads_back_as_it_was_measured(tmp_path, monkeypatch):
-    from ref_impl import bench
+    from ref_impl.measure import bench, records
 
-    monkeypatch.setattr(loading, "sweep_sizes", lambda: (64 * 1024, 256 * 1024))
-    path = bench.write_results(bench.bench_alignment(budget_s=0), tmp_path, "bench --alignment", "test-machine")
-    machine, rows = loading.recorded_sweeps(tmp_path)["test-machine"]
+    monkeypatch.setattr(loads, "sweep_sizes", lambda: (64 * 1024, 256 * 1024))
+    path = records.write_results(bench.bench_alignment(budget_s=0), tmp_path, "bench --alignment", "test-machine")
+    machine, rows = loads.recorded_sweeps(tmp_path)["test-machine"]
     assert machine["label"] == "test-machine" and machine["file"] == path.name
-    assert machine["numpy_blas"] == loading.numpy_blas()
+    assert machine["numpy_blas"] == loads.numpy_blas()
     assert {(r.backend, r.op, r.buffer_bytes, r.offset_bytes) for r in rows} == {
         (b, op, size, o) for b in ("numpy", "mlx") for op in ("sum", "gemv") for size in (64 * 1024, 256 * 1024)
-        for o in loading.SWEEP_OFFSETS if b == "numpy" or o % 4 == 0}
+        for o in loads.SWEEP_OFFSETS if b == "numpy" or o % 4 == 0}
     assert all(r.rounds >= 3 and math.isclose(r.gb_per_s, r.buffer_bytes / r.seconds / 1e9) for r in rows)
 
 
 def test_the_far_buffer_outgrows_the_last_level_cache():
-    near, far = loading.sweep_sizes()
-    llc = loading.last_level_cache_bytes()
+    near, far = loads.sweep_sizes()
+    llc = loads.last_level_cache_bytes()
     assert near == 256 * 1024 and 96 * 2**20 <= far <= 2**30
     assert llc is None or far >= min(3 * llc, 2**30)

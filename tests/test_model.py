@@ -5,14 +5,13 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-
-from ref_impl import gguf
-from ref_impl.model import ModelArgs, gguf_to_mlx_name, load, load_model, mlx_to_gguf_name, save
-from ref_impl.tokenizer import train_tokenizer
-
 from conftest import write_random_llama
 from numpy_reference import forward as np_forward
 from numpy_reference import load as np_load
+
+from ref_impl.engine.model import ModelArgs, gguf_to_mlx_name, load, load_model, mlx_to_gguf_name, save
+from ref_impl.engine.tokenizer import train_tokenizer
+from ref_impl.formats import gguf
 
 TOKENS = [3, 17, 42, 5, 96, 0, 11, 64, 23, 8, 50, 2]
 

@@ -10,13 +10,21 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from ref_impl import MODELS_DIR, gguf, mtp, speculative
-from ref_impl.generate import Sampler
-from ref_impl.model import Model, ModelArgs, load
-from ref_impl.speculative import acceptance_rate
-from ref_impl.train import heldout_stream
-from tests.test_speculative import (SIGNIFICANCE, accept_resampling_from_p, assert_same_cache, chi2_pvalue,
-                                    greedy_tokens, plain_cache)
+from ref_impl import MODELS_DIR
+from ref_impl.engine import mtp, speculative
+from ref_impl.engine.generate import Sampler
+from ref_impl.engine.model import Model, ModelArgs, load
+from ref_impl.engine.speculative import acceptance_rate
+from ref_impl.formats import gguf
+from ref_impl.training.train import heldout_stream
+from tests.test_speculative import (
+    SIGNIFICANCE,
+    accept_resampling_from_p,
+    assert_same_cache,
+    chi2_pvalue,
+    greedy_tokens,
+    plain_cache,
+)
 
 HEADS = MODELS_DIR / "stdlib-10m-mtp.gguf"
 

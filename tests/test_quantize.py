@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ref_impl import gguf, quantize
+from ref_impl.formats import gguf, quantize
 from tests.conftest import write_random_llama
 
 
@@ -91,7 +91,7 @@ def test_bad_requests(models, tmp_path):
 
 def test_roundtrip_across_rows_is_the_blockwise_round_trip():
     """Rows of 384 hold 1.5 super-blocks: the simulation quantizes the flat run of 256-value blocks."""
-    from ref_impl import kquants
+    from ref_impl.formats import kquants
 
     x = np.random.default_rng(0).standard_normal((4, 384)).astype(np.float32)
     flat = kquants.dequantize_q4_k(kquants.quantize_q4_k(x.reshape(6, 256))).reshape(4, 384)
@@ -114,7 +114,7 @@ def test_relative_error_orders_the_formats():
 def test_simulate_changes_only_the_selected_matrices(models):
     import mlx.core as mx
 
-    from ref_impl.model import load_model
+    from ref_impl.engine.model import load_model
 
     path = models["tied-8"]
     with gguf.read(path) as f:

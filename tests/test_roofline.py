@@ -6,12 +6,11 @@ import dataclasses
 import math
 
 import pytest
+from conftest import SHIPPED
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ref_impl import roofline as r
-
-from conftest import SHIPPED
+from ref_impl.theory import roofline as r
 
 LLAMA8B = r.MODELS["Llama-3.1-8B"]
 GEMMA12B = r.MODELS["Gemma-3-12B"]
@@ -128,8 +127,8 @@ def test_forward_time_is_flat_then_linear():
 
 
 def test_shape_from_our_shipped_model():
-    from ref_impl import gguf
-    from ref_impl.model import ModelArgs
+    from ref_impl.engine.model import ModelArgs
+    from ref_impl.formats import gguf
 
     with gguf.read(SHIPPED) as f:
         args = ModelArgs.from_gguf(f.metadata, f.tensors)

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ref_impl import roofline
-from ref_impl import signalling as sg
+from ref_impl.theory import roofline
+from ref_impl.theory import signalling as sg
 
 bit_lists = st.lists(st.integers(0, 1), max_size=200)
 

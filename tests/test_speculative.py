@@ -9,11 +9,19 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ref_impl import speculative
-from ref_impl.generate import Sampler, decode_one_token, generate_step, prefill
-from ref_impl.model import load
-from ref_impl.speculative import (Drafter, accept, accept_greedy, acceptance_rate, chi2_pvalue, chi2_sf,
-                                  speculative_decode, speculative_generate)
+from ref_impl.engine import speculative
+from ref_impl.engine.generate import Sampler, decode_one_token, generate_step, prefill
+from ref_impl.engine.model import load
+from ref_impl.engine.speculative import (
+    Drafter,
+    accept,
+    accept_greedy,
+    acceptance_rate,
+    chi2_pvalue,
+    chi2_sf,
+    speculative_decode,
+    speculative_generate,
+)
 
 SIGNIFICANCE = 1e-3     # each chi-square test rejects a correct rule with this probability
 N_TRIALS = 200_000

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from ref_impl import MODELS_DIR
-from ref_impl.generate import Sampler, generate_step
-from ref_impl.latency import random_model
-from ref_impl.model import ModelArgs
-from ref_impl.speculative import SpeculativeStep, speculative_generate
-from ref_impl.speedup import (AlphaDrafter, SpecPlan, acceptance_by_position, bench_spec, break_even_alpha,
-                              expected_tokens, optimal_gamma, speedup)
+from ref_impl.engine.generate import Sampler, generate_step
+from ref_impl.engine.model import ModelArgs
+from ref_impl.engine.speculative import SpeculativeStep, speculative_generate
+from ref_impl.measure.latency import random_model
+from ref_impl.measure.spec import AlphaDrafter, SpecPlan, acceptance_by_position, bench_spec
+from ref_impl.theory.speedup import break_even_alpha, expected_tokens, optimal_gamma, speedup
 
 # --- the model ---------------------------------------------------------------------------------
 
@@ -149,7 +149,7 @@ def spec_records(tmp_path_factory):
         pytest.skip("the shipped target/draft pair is missing")
     heads = None
     try:
-        from ref_impl import mtp
+        from ref_impl.engine import mtp
     except ImportError:
         pass
     else:   # zero heads (each repeats the model's next-token guess): the MTP path runs, whatever was trained

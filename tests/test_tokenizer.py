@@ -1,4 +1,4 @@
-"""Tests for ref_impl.tokenizer: round trips, determinism, GGUF metadata, and llama.cpp as the oracle."""
+"""Tests for ref_impl.engine.tokenizer: round trips, determinism, GGUF metadata, and llama.cpp as the oracle."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ref_impl.tokenizer import EOT, PRE_TOKENIZERS, TOKEN_CONTROL, TOKEN_NORMAL, Tokenizer, train_tokenizer
+from ref_impl.engine.tokenizer import EOT, PRE_TOKENIZERS, TOKEN_CONTROL, TOKEN_NORMAL, Tokenizer, train_tokenizer
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 TRAIN_FILES = ["textwrap.py", "string.py", "fnmatch.py", "shlex.py", "bisect.py", "colorsys.py"]
@@ -134,7 +134,7 @@ def tiny_llama(n_vocab: int) -> tuple[dict, dict]:
 
 
 def write_with_gguf_package(path: Path, metadata: dict, tensors: dict) -> None:
-    """Write a GGUF file with llama.cpp's own `gguf` package, typing values as ref_impl.gguf does."""
+    """Write a GGUF file with llama.cpp's own `gguf` package, typing values as ref_impl.formats.gguf does."""
     gguf = pytest.importorskip("gguf")
     w = gguf.GGUFWriter(str(path), metadata["general.architecture"])
     for key, value in metadata.items():
@@ -227,7 +227,7 @@ def test_pre_tokenizers_differ(tok):
 
 def test_ref_impl_gguf_file(tok, tmp_path, samples):
     """The course's own GGUF writer and reader carry the vocabulary to llama.cpp and back."""
-    from ref_impl import gguf
+    from ref_impl.formats import gguf
 
     llama_cpp = pytest.importorskip("llama_cpp")
     arch, tensors = tiny_llama(tok.vocab_size)

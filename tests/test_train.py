@@ -10,9 +10,18 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ref_impl import gguf
-from ref_impl.model import Model, ModelArgs, load
-from ref_impl.train import PRESETS, config_for, mean_loss, read_corpus, sample_batch, split_of, stdlib_files, train
+from ref_impl.engine.model import Model, ModelArgs, load
+from ref_impl.formats import gguf
+from ref_impl.training.train import (
+    PRESETS,
+    config_for,
+    mean_loss,
+    read_corpus,
+    sample_batch,
+    split_of,
+    stdlib_files,
+    train,
+)
 
 
 def test_split_is_stable_and_proportional():

@@ -10,16 +10,16 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from gguf.quants import dequantize as oracle
-
-from ref_impl import gguf, kquants, transcode
-from ref_impl.generate import Sampler, generate
-from ref_impl.model import ModelArgs, load, load_model
-from ref_impl.tokenizer import Tokenizer
-
 from conftest import write_random_llama
+from gguf.quants import dequantize as oracle
 from numpy_reference import forward as np_forward
 from numpy_reference import load as np_load
+
+from ref_impl.engine import transcode
+from ref_impl.engine.generate import Sampler, generate
+from ref_impl.engine.model import ModelArgs, load, load_model
+from ref_impl.engine.tokenizer import Tokenizer
+from ref_impl.formats import gguf, kquants
 
 TOKENS = [3, 17, 42, 5, 96, 0, 11, 64, 23, 8, 50, 2]
 EXACT = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K"]   # codes re-packed, not re-rounded
@@ -253,7 +253,7 @@ def test_type_without_mapping_falls_back_to_float(tmp_path, monkeypatch, caplog)
     log says which types were expanded."""
     path = write_random_llama(tmp_path / "m.gguf", weight_type="Q8_0")
     monkeypatch.delitem(transcode.REPACK, gguf.GGMLType.Q8_0)
-    with gguf.read(path) as f, caplog.at_level(logging.WARNING, logger="ref_impl.transcode"):
+    with gguf.read(path) as f, caplog.at_level(logging.WARNING, logger="ref_impl.engine.transcode"):
         model = load_model(f, mx.float32, quantized=True)
     assert "no MLX affine mapping for Q8_0" in caplog.text
     assert layer_types(model)["layers.0.mlp.up_proj"] == ("Linear", None)

@@ -11,8 +11,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ref_impl import unified
 from ref_impl.__main__ import main
+from ref_impl.measure import unified
 
 # (shares memory, a write shows up on the other side; None: the result is read-only), from MLX's docs
 # ("np.array(a) # copy", "mx.array(b) # copy", a copy=False view reflects writes) and DLPack's (read-only

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from .kvcache import KVCache, StepCache
-from .model import Model
-from .tokenizer import Tokenizer
+from ref_impl.engine.kvcache import KVCache, StepCache
+from ref_impl.engine.model import Model
+from ref_impl.engine.tokenizer import Tokenizer
 
 
 @dataclass

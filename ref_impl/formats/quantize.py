@@ -16,7 +16,7 @@ and the file types below the rules are:
 
 `--type Q4_K` is every matrix in Q4_K with the shape fallback only: llama.cpp's
 `llama-quantize --pure ... Q4_K_S`. The other names are llama.cpp's file types of the same name.
-No importance matrix is used, so the quantizers are llama.cpp's reference ones (`ref_impl.kquants`).
+No importance matrix is used, so the quantizers are llama.cpp's reference ones (`ref_impl.formats.kquants`).
 
 See chapter: super-blocks
 """
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import gguf, kquants
+from ref_impl.formats import gguf, kquants
 
 QK_K = 256  # values per K-quant super-block
 
@@ -195,7 +195,7 @@ def simulate(path: str | os.PathLike, type_name: str, select=lambda name: True):
     round trip through `type_name` (float32 weights): isolates what one format does to chosen layers."""
     import mlx.core as mx
 
-    from .model import gguf_to_mlx_name, load_model
+    from ref_impl.engine.model import gguf_to_mlx_name, load_model
 
     with gguf.read(path) as f:
         model = load_model(f, mx.float32)

@@ -51,8 +51,7 @@ from functools import partial
 
 import mlx.core as mx
 
-from .kvcache import KVCache
-
+from ref_impl.engine.kvcache import KVCache
 
 # --- symmetric per-token codes: int8, or two 4-bit codes per byte -----------------------------
 

@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from .generate import Sampler, decode_one_token, prefill
-from .kvcache import KVCache
-from .model import Model
+from ref_impl.engine.generate import Sampler, decode_one_token, prefill
+from ref_impl.engine.kvcache import KVCache
+from ref_impl.engine.model import Model
 
 
 def _sample_inverse_cdf(weights: np.ndarray, u: np.ndarray) -> np.ndarray:

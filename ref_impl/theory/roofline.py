@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:  # ref_impl.model imports mlx; nothing here needs it at run time
-    from .model import ModelArgs
+if TYPE_CHECKING:  # ref_impl.engine.model imports mlx; nothing here needs it at run time
+    from ref_impl.engine.model import ModelArgs
 
 
 @dataclass(frozen=True)
@@ -161,10 +161,10 @@ MODELS: dict[str, ModelShape] = {m.name: m for m in (
 
 
 def shape_from_args(name: str, args: ModelArgs) -> ModelShape:
-    """The roofline's view of one of our own models (a `ref_impl.model.ModelArgs`)."""
+    """The roofline's view of one of our own models (a `ref_impl.engine.model.ModelArgs`)."""
     return ModelShape(name, args.vocab_size, args.hidden_size, args.num_hidden_layers,
                       args.intermediate_size, args.num_attention_heads, args.num_key_value_heads,
-                      args.head_dim, args.tie_word_embeddings, "ref_impl.model.ModelArgs")
+                      args.head_dim, args.tie_word_embeddings, "ref_impl.engine.model.ModelArgs")
 
 
 def matmul_shapes(shape: ModelShape) -> list[tuple[int, int]]:

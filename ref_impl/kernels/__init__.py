@@ -77,8 +77,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from .gemv_cuda import FUSES, HEADER, body, input_names, minified
-from .model import MLP
+from ref_impl.engine.model import MLP
+from ref_impl.kernels.cuda import FUSES, HEADER, body, input_names, minified
 
 MAX_ROWS = 9                  # activation rows a GEMV serves: decode (1) and speculative verification (2-9)
 MAX_ACCUMULATORS = 16         # weight rows per warp x activation rows: partial sums a lane keeps in registers
@@ -735,7 +735,7 @@ def count_kernels(model: nn.Module, context: int = 8, compiled: bool = False) ->
     """Compute primitives in the graph of one decode step (views excluded): about the kernels MLX
     launches per token on this device (a fused or compiled primitive counts once; compiled: the step as
     generate.compiled_decoder runs it)."""
-    from .generate import decoder
+    from ref_impl.engine.generate import decoder
 
     cache = model.make_cache(context + 2)
     mx.eval(model(mx.zeros((1, context), dtype=mx.int32), cache))

@@ -45,12 +45,12 @@ import mlx.optimizers as optim
 import numpy as np
 from tqdm import tqdm
 
-from . import gguf
-from .generate import Sampler
-from .kvcache import KVCache
-from .model import Model, default_dtype, load
-from .speculative import SpeculativeStep, rewind, take, verify
-from .train import config_for, read_corpus, sample_batch, token_stream
+from ref_impl.engine.generate import Sampler
+from ref_impl.engine.kvcache import KVCache
+from ref_impl.engine.model import Model, default_dtype, load
+from ref_impl.engine.speculative import SpeculativeStep, rewind, take, verify
+from ref_impl.formats import gguf
+from ref_impl.training.train import config_for, read_corpus, sample_batch, token_stream
 
 ARCHITECTURE = "mtp"
 HEAD_ARCHITECTURE = "medusa-resblock: h + silu(W h + b), h after the final norm, then the base model's LM head"
@@ -338,7 +338,7 @@ def train_heads(cfg: MTPConfig, out_dir: Path, progress: bool = True) -> dict:
     python = cfg.corpus_python or platform.python_version()
     save_heads(heads, path, {"general.name": name, "mtp.base_sha256": base_sha,
                              "general.description": f"{cfg.k} multi-token-prediction heads for {base_name}"})
-    from .bench import machine_info  # the same machine record the benchmarks write
+    from ref_impl.platform.machine import machine_info  # the same machine record the benchmarks write
     log = {
         "name": name,
         "config": asdict(cfg),
@@ -351,7 +351,7 @@ def train_heads(cfg: MTPConfig, out_dir: Path, progress: bool = True) -> dict:
                    "tokens": {k: int(len(v)) for k, v in ids.items()},
                    "positions": {"train_pool": len(pool.hidden), "valid": len(valid.hidden),
                                  "heldout": len(heldout_pos.hidden)},
-                   "split": f"the base model's ({base_name} preset in ref_impl.train)"},
+                   "split": f"the base model's ({base_name} preset in ref_impl.training.train)"},
         "loss_curve": [[i + 1, round(v, 4)] for i, v in enumerate(losses)],
         "evaluations": evals,
         "best_step": best[1],

@@ -22,16 +22,16 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-from . import MODELS_DIR, blas, roofline
+from ref_impl import MODELS_DIR, RESULTS_DIR
+from ref_impl.platform import blas
+from ref_impl.theory import roofline
 
 SEEDS = ("000_8c45ce1e9e68affe.txt", "001_71c9d8b5ea64f620.txt")  # in ../shared/seeds/
 CHAPTERS = ("roofline", "signalling", "interconnect", "gguf", "kquants", "dispatch", "kv-cache", "speculative")
 STATUSES = ("confirmed", "qualified", "refuted", "not testable here", "pending")
-RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
 SHIPPED_MODEL = MODELS_DIR / "stdlib-10m.gguf"
 
 
@@ -123,8 +123,8 @@ def measure_forward(max_len: int = 512, rounds: int = 3, steps: int = 8) -> Forw
     max_len - 100 (best of `steps`, the two contexts interleaved), on one BLAS thread."""
     import mlx.core as mx
 
-    from . import bench
-    from .model import load
+    from ref_impl.engine.model import load
+    from ref_impl.measure import bench
 
     model, _ = load(SHIPPED_MODEL)
     tokens = mx.array(np.random.default_rng(0).integers(0, model.args.vocab_size, (1, max_len)))
@@ -147,7 +147,7 @@ def measure_forward(max_len: int = 512, rounds: int = 3, steps: int = 8) -> Forw
 
 def recorded(experiment: str, model: str) -> list[tuple[str, dict, dict]]:
     """(file name, machine, record) of our own engine's records in results/*.json."""
-    from .bench import read_results
+    from ref_impl.measure.records import read_results
 
     return [(name, machine, r) for name, machine, r in read_results(experiment, RESULTS_DIR)
             if r["model"] == model and r.get("peer") is None]
@@ -357,15 +357,15 @@ def check_c04(live: bool) -> Verdict:
 @functools.cache
 def measure_alignment(budget_s: float = 2.5) -> tuple:
     """numpy sum and GEMV over float32 buffers at 0, 4, 16 and 32 bytes past a cache line, in L2
-    (256 KiB) and from DRAM (64 MiB, twice a 32 MiB L3): loading.throughput_sweep, one BLAS thread."""
-    from . import loading
-    return tuple(loading.throughput_sweep((0, 4, 16, 32), (256 * 2**10, 64 * 2**20), ("numpy",),
+    (256 KiB) and from DRAM (64 MiB, twice a 32 MiB L3): loads.throughput_sweep, one BLAS thread."""
+    from ref_impl.measure import loads
+    return tuple(loads.throughput_sweep((0, 4, 16, 32), (256 * 2**10, 64 * 2**20), ("numpy",),
                                           ("sum", "gemv"), budget_s=budget_s))
 
 
 def _block_alignment_evidence() -> dict[str, Number]:
     """Tensor offsets of the shipped model, and how many quantized blocks start 32-byte aligned."""
-    from . import gguf
+    from ref_impl.formats import gguf
     with gguf.read(SHIPPED_MODEL) as f:
         offsets = [t.offset for t in f.tensors.values()]
         ev = {"GGUF default alignment (general.alignment absent)": Number(gguf.DEFAULT_ALIGNMENT, "bytes"),
@@ -526,7 +526,7 @@ _TABLE = [  # (id, chapter, short form, seed sentence verbatim); C01-C16 from SE
 def kquant_errors() -> dict[str, dict[str, float]]:
     """Mean relative RMS error of Q4_K and Q4_0 (both 4.5 bits per weight) per kind of matrix of the
     shipped model; deterministic arithmetic, no timing (K-quant blocks run across its 384-wide rows)."""
-    from . import gguf, quantize
+    from ref_impl.formats import gguf, quantize
 
     out: dict[str, dict[str, list[float]]] = {}
     with gguf.read(SHIPPED_MODEL) as f:
@@ -540,7 +540,7 @@ def kquant_errors() -> dict[str, dict[str, float]]:
 
 def check_c19(live: bool) -> Verdict:
     """The block layout, counted; and Q4_K's error against Q4_0's at the same bits, per kind of matrix."""
-    from . import gguf, quantize
+    from ref_impl.formats import gguf, quantize
 
     values, nbytes = gguf.BLOCK[gguf.GGMLType.Q4_K]
     ATTENTION, MLP = quantize.MATRIX_GROUPS["attention projections"], quantize.MATRIX_GROUPS["MLP"]
@@ -569,8 +569,8 @@ def check_c19(live: bool) -> Verdict:
 
 def check_c11(live: bool) -> Verdict:
     """Q4_K_M's perplexity and bytes against F16: our measurements in results/, and llama.cpp's own table."""
-    from . import bench, quantize
-
+    from ref_impl.formats import quantize
+    from ref_impl.measure import records
     gib16 = quantize.LLAMA3_8B_WEIGHTS * 2 / 2**30
     gib, dppl = quantize.LLAMA_CPP_PUBLISHED["Q4_K_M"]
     ev = {"Llama-3-8B Q4_K_M size / F16 size (llama.cpp's table)": Number(100 * gib / gib16, "%"),
@@ -579,7 +579,7 @@ def check_c11(live: bool) -> Verdict:
                "of the F16 bytes")
     source = "llama.cpp tools/quantize/quantize.cpp (published table)"
     quant = {(m["label"], r["weights"], r["metric"], r.get("variant")): r["value"]
-             for _, m, r in bench.read_results("quant", RESULTS_DIR)
+             for _, m, r in records.read_results("quant", RESULTS_DIR)
              if r["peer"] is None and r["model"] == SHIPPED_MODEL.stem}
     ppl = {(label, w): v for (label, w, metric, _), v in quant.items() if metric == "heldout_perplexity"}
     label = next((lab for lab, w in ppl if w == "Q4_K_M" and (lab, "F16") in ppl), None)
@@ -593,7 +593,7 @@ def check_c11(live: bool) -> Verdict:
                     f"{100 * size:.0f}% of the F16 bytes")
         source = f"results/ (machine {label}); {source}"
     shape = {(m["label"], r["weights"], r["metric"]): r["value"]
-             for _, m, r in bench.read_results("decode-shape", RESULTS_DIR)}
+             for _, m, r in records.read_results("decode-shape", RESULTS_DIR)}
     gpu = next((lab for lab, w, _ in shape if w == "Q4_K_M" and (lab, "F16", "tokens_per_s") in shape), None)
     if gpu:
         t16, t4 = shape[gpu, "F16", "tokens_per_s"], shape[gpu, "Q4_K_M", "tokens_per_s"]
@@ -612,12 +612,12 @@ def check_c11(live: bool) -> Verdict:
 # ---- Signalling: GDDR7 and PAM3 (C03, C23, C29) ------------------------------------------------------
 
 C03_PIN_GBPS = 32.0          # quoted from the claim, as C03_GBS and C03_BUS_BITS above
-_SIG_SOURCES = "JEDEC GDDR7 press release (JESD239, 2024-03-05); ref_impl.signalling (arithmetic, seeded simulation)"
+_SIG_SOURCES = "JEDEC GDDR7 press release (JESD239, 2024-03-05); ref_impl.theory.signalling (arithmetic, seeded simulation)"
 
 
 def check_c03(live: bool) -> Verdict:
     """3 bits per 2 UI, 32 Gbps pins, 1024 GB/s on 256 bits: the arithmetic, and what a 'cycle' is."""
-    from . import signalling as sg
+    from ref_impl.theory import signalling as sg
 
     bus = sg.bandwidth_gbs(C03_PIN_GBPS, C03_BUS_BITS)
     card = sg.bandwidth_gbs(sg.RTX5090_PIN_GBPS, sg.RTX5090_BUS_BITS)
@@ -644,7 +644,7 @@ def check_c03(live: bool) -> Verdict:
 
 def check_c23(live: bool) -> Verdict:
     """Data rate at one Nyquist frequency for NRZ, PAM3 (3 bits / 2 UI) and PAM4, and the SNR it costs."""
-    from . import signalling as sg
+    from ref_impl.theory import signalling as sg
 
     f_n = sg.nyquist_ghz(sg.PAM3, C03_PIN_GBPS)              # GDDR7's at 32 Gbps
     rate = {c.name: sg.data_rate_gbps(c, f_n) for c in (sg.NRZ, sg.PAM3, sg.PAM4)}
@@ -677,7 +677,7 @@ def check_c23(live: bool) -> Verdict:
 
 def check_c29(live: bool) -> Verdict:
     """What JESD239 specifies per device, and a bank-conflict count of decode-step reads on 2 and 4 channels."""
-    from . import signalling as sg
+    from ref_impl.theory import signalling as sg
 
     rates = sg.conflict_rates(sg.decode_step_streams())
     strided = "K cache, head-major: 8 heads at once"
@@ -703,7 +703,7 @@ def check_c29(live: bool) -> Verdict:
                    "streams and open rows); the simulation is of one device's address map (16 banks per channel, "
                    "2 KiB rows, 32-byte requests, a window of 8 requests per channel), with no timing",
                    f"{sg.SOURCES['jedec']}; {sg.SOURCES['channel_width']}; {sg.SOURCES['gddr6']}; "
-                   "ref_impl.signalling (address-map simulation)")
+                   "ref_impl.theory.signalling (address-map simulation)")
 
 
 # ---- Interconnect: Thunderbolt 5 and PCIe tunnelling (C07, C08, C18, C25) -----------------------------
@@ -717,10 +717,10 @@ STREAM_MODELS = ("Llama-3.2-3B", "Llama-3.1-8B", "Qwen3-8B", "Gemma-3-12B", "Qwe
 def link_recorded() -> tuple[str, dict[tuple[str, str, int | None], float]] | None:
     """(machine label, {(variant, metric, bytes): value}) of the last results file with host-device
     link records (`bench --link` where PyTorch saw a GPU), or None."""
-    from . import bench
+    from ref_impl.measure import records
 
     by_file: dict[str, tuple[str, dict]] = {}
-    for name, machine, r in bench.read_results("link", RESULTS_DIR):
+    for name, machine, r in records.read_results("link", RESULTS_DIR):
         by_file.setdefault(name, (machine["label"], {}))[1][r["variant"], r["metric"], r.get("bytes")] = r["value"]
     gpu = [v for v in by_file.values() if any(k[1] == "completion_ms" for k in v[1])]
     return gpu[-1] if gpu else None
@@ -729,7 +729,7 @@ def link_recorded() -> tuple[str, dict[tuple[str, str, int | None], float]] | No
 def native_link_efficiency() -> tuple[str, float, float, int, int] | None:
     """(label, measured pinned h2d GB/s at the largest size, its share of the GPU's own PCIe ceiling at
     256-byte payloads, gen, lanes) from recorded results, or None."""
-    from . import interconnect as ic
+    from ref_impl.theory import interconnect as ic
 
     rec = link_recorded()
     if rec is None:
@@ -745,7 +745,7 @@ def native_link_efficiency() -> tuple[str, float, float, int, int] | None:
 
 def check_c07(live: bool) -> Verdict:
     """Gen4 x4 tunnel: the protocol ceiling of its payload, against 7.0 GB/s and a measured TB5 link."""
-    from . import interconnect as ic
+    from ref_impl.theory import interconnect as ic
 
     ceil = {p: ic.payload_gbs(4, 4, p) for p in (64, 128, 256, 512)}
     m = ic.MEASURED
@@ -777,7 +777,7 @@ def check_c07(live: bool) -> Verdict:
 
 def check_c18(live: bool) -> Verdict:
     """USB4 encapsulation: its header bytes, the wire's headroom over the Gen4 x4 tunnel, the measured gap."""
-    from . import interconnect as ic
+    from ref_impl.theory import interconnect as ic
 
     t = ic.tunnel_overhead(256)
     ceiling = ic.payload_gbs(4, 4, 256)
@@ -811,7 +811,7 @@ def check_c18(live: bool) -> Verdict:
 
 def check_c08(live: bool) -> Verdict:
     """Weights that overflow VRAM cross the link every token: tokens/s from the overflow, not latency."""
-    from . import interconnect as ic
+    from ref_impl.theory import interconnect as ic
 
     link = ic.MEASURED["TB5 host-to-device"]
     vram = roofline.HARDWARE["RTX 4090"].bandwidth_gbs
@@ -848,7 +848,7 @@ def check_c08(live: bool) -> Verdict:
 
 def check_c25(live: bool) -> Verdict:
     """Seeded Monte Carlo of per-layer handshakes against one transfer; the scale of each random term."""
-    from . import interconnect as ic
+    from ref_impl.theory import interconnect as ic
 
     link = ic.Link()
     ev = {"retimer jitter, rms per retimer (assumed)": Number(link.retimer_jitter_ps, "ps"),
@@ -903,10 +903,10 @@ C21_LOSS = 0.25                      # "up to 25% throughput degradation", quote
 def dispatch_records(experiment: str) -> dict[tuple[str, str | None, str | None, str], dict]:
     """(machine label, model, variant, metric) -> record, for one dispatch experiment in results/ (ours only;
     a later file of the same machine replaces an earlier one). Each record gains the machine's backend."""
-    from . import bench
+    from ref_impl.measure import records
 
     return {(m["label"], r["model"], r.get("variant"), r["metric"]): r | {"backend": m["backend"]}
-            for _, m, r in bench.read_results(experiment, RESULTS_DIR) if r["peer"] is None}
+            for _, m, r in records.read_results(experiment, RESULTS_DIR) if r["peer"] is None}
 
 
 def _sync_losses() -> dict[tuple[str, str], tuple[float, float, str]]:
@@ -921,11 +921,11 @@ def _queue_model_evidence() -> dict[str, Number]:
     """The queue model's steady ITL with its default costs, per policy (arithmetic: nothing is timed)."""
     from dataclasses import replace
 
-    from . import dispatch
+    from ref_impl.theory import queue
 
-    cfg = dispatch.QueueConfig()
-    return {f"queue model, default costs: {p} ITL": Number(1e6 * dispatch.steady_period(replace(cfg, policy=p)), "µs")
-            for p in dispatch.POLICIES}
+    cfg = queue.QueueConfig()
+    return {f"queue model, default costs: {p} ITL": Number(1e6 * queue.steady_period(replace(cfg, policy=p)), "µs")
+            for p in queue.POLICIES}
 
 
 def check_c21(live: bool) -> Verdict:
@@ -936,7 +936,7 @@ def check_c21(live: bool) -> Verdict:
     if not losses:
         return Verdict("not testable here", f"No recorded dispatch-async results; the queue model alone gives a sync "
                        f"loss of {100 * (1 - db / pt):.0f}% with its default costs.", ev,
-                       "needs `python -m ref_impl bench --dispatch` results", "ref_impl.dispatch (arithmetic)")
+                       "needs `python -m ref_impl bench --dispatch` results", "ref_impl.theory.queue (arithmetic)")
     for (lab, model), (s, a, _) in losses.items():
         ev[f"throughput lost by syncing each token, {model} ({lab})"] = Number(100 * (1 - s / a), "%")
     by_machine: dict[str, list[tuple[str, float]]] = {}
@@ -1010,7 +1010,7 @@ def measure_launch_floor() -> tuple[str, float]:
     """This machine's launch + sync floor through MLX: one add on 1 to 4096 float32 values, a second or less."""
     import mlx.core as mx
 
-    from . import latency
+    from ref_impl.measure import latency
 
     rows = latency.kernel_latency(sizes=(1, 16, 256, 4096), chains=(1,), target_s=0.005, rounds=3, budget_s=1.0)
     return str(mx.default_device()), latency.launch_floor([(r.elements, r.per_op_us) for r in rows])[0]
@@ -1018,12 +1018,12 @@ def measure_launch_floor() -> tuple[str, float]:
 
 def check_c31(live: bool) -> Verdict:
     """Kernel invocation latency from Python through MLX (recorded on the CPU and the H200), against 1 µs."""
-    from . import bench, latency
+    from ref_impl.measure import latency, records
 
     per: dict[tuple[str, str], dict[int, float]] = {}
     backend = {}
 
-    for _, m, r in bench.read_results("kernel-latency", RESULTS_DIR):
+    for _, m, r in records.read_results("kernel-latency", RESULTS_DIR):
         if r["peer"] is None and r["metric"] == "per_op_us":
             per.setdefault((m["label"], r["variant"]), {})[r["elements"]] = r["value"]   # later files win
             backend[m["label"]] = m["backend"]
@@ -1036,7 +1036,7 @@ def check_c31(live: bool) -> Verdict:
     if live:
         device, floor = measure_launch_floor()
         ev[f"live: µs per op, one add on ≤ 4096 values ({device})"] = Number(floor, "µs")
-        source.append(f"live: ref_impl.latency.kernel_latency on this machine ({device})")
+        source.append(f"live: ref_impl.measure.latency.kernel_latency on this machine ({device})")
     if not per and not live:
         return Verdict("not testable here", "No recorded kernel-latency results, and live=False times nothing.",
                        {"the claim's bound": Number(1.0, "µs")}, "needs results or a live run", "the claim")
@@ -1075,7 +1075,7 @@ SPIKE = 5           # an inter-token latency over SPIKE × the run's median is a
 
 def _by_machine(experiment: str) -> dict[str, tuple[dict, list[dict]]]:
     """Our records of one experiment, per machine label: (machine, records of its newest file)."""
-    from .bench import read_results
+    from ref_impl.measure.records import read_results
 
     files: dict[str, dict[str, tuple[dict, list[dict]]]] = {}
     for name, machine, r in read_results(experiment, RESULTS_DIR):
@@ -1145,14 +1145,14 @@ def wired_recorded() -> dict[str, dict[str, dict]]:
 @functools.cache
 def measure_compile():
     """`latency.compile_cost` on this machine, once per process (not a cold process: imports came first)."""
-    from . import latency
+    from ref_impl.measure import latency
     return latency.compile_cost()
 
 
 @functools.cache
 def measure_wired(nbytes: int = 16 << 20, tensor_bytes: int = 1 << 20):
-    """`loading.wired_reads` of a small buffer, each variant once, once per process."""
-    from .loading import wired_reads
+    """`loads.wired_reads` of a small buffer, each variant once, once per process."""
+    from ref_impl.measure.loads import wired_reads
     return {w.variant: w for w in wired_reads(nbytes, tensor_bytes, 1)}
 
 
@@ -1292,7 +1292,7 @@ def check_c02(live: bool) -> Verdict:
     """Growing vs static KV caches: where the pauses fall, what allocation costs, what each holds in memory."""
     rec = kv_recorded()
     ev: dict[str, Number] = {}
-    from .bench import read_results
+    from ref_impl.measure.records import read_results
 
     bw = max((r["value"] for _, _, r in read_results("bandwidth", RESULTS_DIR) if r.get("variant") == "copy"),
              default=None)
@@ -1383,7 +1383,7 @@ class JitterTrace:
 def jitter_traces() -> list[JitterTrace]:
     """The kv-jitter `itl_ms` traces in results/, the newest file of each machine; prompt_len is the
     record's context (prompt + generated tokens) less the ITLs less one."""
-    from .bench import read_results
+    from ref_impl.measure.records import read_results
 
     rows = [(name, m, r) for name, m, r in read_results("kv-jitter", RESULTS_DIR)
             if r["metric"] == "itl_ms" and r["samples"] and r.get("peer") is None]
@@ -1514,7 +1514,7 @@ def _kv_best() -> tuple[str, dict] | None:
 
 def check_c05(live: bool) -> Verdict:
     """The 64k-token cache of public shapes at 16, 8 and 4 bits (real nbytes), and recorded needle retrieval."""
-    from . import kvquality as kvq
+    from ref_impl.measure import kv as kvq
 
     ctx = 65536
     rows = kvq.memory_table(contexts=(ctx,), schemes=("float", "affine8-g64", "affine4-g64"))
@@ -1556,9 +1556,9 @@ def check_c17(live: bool) -> Verdict:
     """Outlier channels counted live on the shipped model's keys and values; recorded perplexity per scheme."""
     import mlx.core as mx
 
-    from . import kvquality as kvq
-    from .model import load
-    from .train import heldout_stream
+    from ref_impl.engine.model import load
+    from ref_impl.measure import kv as kvq
+    from ref_impl.training.train import heldout_stream
 
     ev: dict[str, Number] = {}
     source = ""
@@ -1591,7 +1591,7 @@ def check_c17(live: bool) -> Verdict:
 
 def check_c20(live: bool) -> Verdict:
     """Memory saved by outlier-preserving keys with 4-bit values (real nbytes), and its recorded perplexity."""
-    from . import kvquality as kvq
+    from ref_impl.measure import kv as kvq
 
     s = roofline.MODELS["Llama-3.1-8B"]
     per = {k: kvq.scheme_bytes(k, s.num_key_value_heads, s.head_dim)[0] for k in ("float", "outlier4", "affine4-g64")}
@@ -1758,7 +1758,7 @@ def _best_speedup(speed: dict, model: str | None = None, variant: str | None = N
 def _exactness(seed: int = 0, n: int = 200_000) -> tuple[float, float]:
     """Chi-square p-values of one-draft steps against Dirichlet p, q on 16 tokens: the rule's, and a
     broken rule's (on rejection, resample from p). Arithmetic on seeded draws, no timing."""
-    from .speculative import chi2_pvalue, first_tokens
+    from ref_impl.engine.speculative import chi2_pvalue, first_tokens
 
     rng = np.random.default_rng(seed)
     p, q = rng.dirichlet(np.ones(16)), rng.dirichlet(np.ones(16))
@@ -1799,7 +1799,7 @@ def check_c24(live: bool) -> Verdict:
 
 def check_c22(live: bool) -> Verdict:
     """Measured speedups of the α-set random pairs and of the shipped pair, and the model's break-even α."""
-    from .speedup import break_even_alpha
+    from ref_impl.theory.speedup import break_even_alpha
 
     rec = spec_recorded()
     ev: dict[str, Number] = {}

@@ -123,7 +123,7 @@ def load_optimized_blas() -> str | None:
     if not sys.platform.startswith("linux"):
         return skip(f"not needed on {sys.platform}")
     if "mlx.core" in sys.modules:
-        warnings.warn("ref_impl.blas: mlx is already imported; MLX keeps its reference BLAS",
+        warnings.warn("ref_impl.platform.blas: mlx is already imported; MLX keeps its reference BLAS",
                       RuntimeWarning, stacklevel=2)
         return skip("mlx was imported first")
     path = choice or _find_openblas()

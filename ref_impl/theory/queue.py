@@ -27,7 +27,7 @@ fill (the first token; and a GPU-bound queue fills for about
 (depth - 1)·G / (G - E - s - h) tokens while the host runs ahead) and the drain (the last token
 skips an encode: `generate.py` queues one step more than it yields).
 
-`ref_impl.latency` measures through MLX what this model takes as given.
+`ref_impl.measure.latency` measures through MLX what this model takes as given.
 
 References: Apple, Metal "Setting Up a Command Structure" (MTLCommandBuffer commit,
 waitUntilCompleted); NVIDIA CUDA Programming Guide, "Asynchronous Concurrent Execution";
@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import plotly.graph_objects as go
 
-from . import viz
+from ref_impl import viz
 
 POLICIES = ("per_buffer", "per_token", "double_buffer")
 KINDS = {  # kind -> colour; CPU: encode, commit, wait, sync, host; GPU: kernel, idle

@@ -17,68 +17,23 @@ See chapter: capstone
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
 import os
-import platform
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
-from importlib import metadata as pkg_metadata
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import blas, gguf
-from .generate import Sampler, decoder, generate_step, prefill
-from .model import Model, ModelArgs, load_model
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    if platform.system() == "Darwin":
-        out = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True)
-        return out.stdout.strip() or platform.machine()
-    return platform.processor() or platform.machine()
-
-
-def _gpu_name() -> str | None:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
-                              "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
-        if out.returncode == 0 and out.stdout.strip():
-            return out.stdout.strip().splitlines()[0]
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    return "Apple GPU (Metal)" if mx.metal.is_available() else None
-
-
-def machine_info(label: str | None = None) -> dict:
-    """What ran the numbers: CPU, cores, GPU, MLX backend and version, Python, BLAS."""
-    gpu = _gpu_name()
-    on_gpu = mx.default_device() == mx.gpu
-    backend = ("metal" if mx.metal.is_available() else "cuda") if on_gpu else "cpu"
-    return {
-        "label": label or f"{platform.node() or 'machine'}-{backend}",
-        "cpu": _cpu_model(), "cores": os.cpu_count(), "gpu": gpu, "backend": backend,
-        "mlx": mx.__version__, "python": platform.python_version(), "os": platform.platform(),
-        "blas": blas.blas_info(),
-    }
-
-
-def _package_version(name: str) -> str:
-    try:
-        return pkg_metadata.version(name)
-    except pkg_metadata.PackageNotFoundError:
-        return "unknown"
+from ref_impl.engine.generate import Sampler, decoder, generate_step, prefill
+from ref_impl.engine.model import Model, ModelArgs, load_model
+from ref_impl.formats import gguf
+from ref_impl.platform import blas
+from ref_impl.platform.machine import package_version
 
 
 def _time_tokens(tokens: Iterator, n: int) -> tuple[float, list[float], list[int]]:
@@ -222,8 +177,8 @@ def bench_decode(path: Path, prompt_len: int = 128, gen_tokens: int = 128, repea
     runs = {("ours", "sync"): ours(model, prompt, gen_tokens, repeats, pipeline=False),
             ("ours", "async_eval"): ours(model, prompt, gen_tokens, repeats, pipeline=True)}
     if peers:
-        runs[("mlx-lm " + _package_version("mlx-lm"), "default")] = mlx_lm_peer(model, prompt, gen_tokens, repeats)
-        runs[("llama.cpp (llama-cpp-python " + _package_version("llama_cpp_python") + ")", "default")] = \
+        runs[("mlx-lm " + package_version("mlx-lm"), "default")] = mlx_lm_peer(model, prompt, gen_tokens, repeats)
+        runs[("llama.cpp (llama-cpp-python " + package_version("llama_cpp_python") + ")", "default")] = \
             llama_cpp_peer(path, prompt, gen_tokens, repeats)
     units = {"tokens_per_s": "tok/s", "prefill_tokens_per_s": "tok/s", "greedy_agreement": "fraction"}
     reference = runs[("ours", "sync")][0][2]
@@ -250,9 +205,9 @@ def bench_quant(path: Path, work_dir: Path, file_types: Sequence[str] = QUANT_TY
     weight, held-out perplexity (ppl_tokens tokens of the files the model never trained on, the
     same tokens for every type; 0 skips it) and decode speed with the weights MLX-quantized
     ("native") and expanded to floats ("dequantized"), and llama.cpp on the same file."""
-    from . import transcode
-    from .quantize import quantize_file
-    from .tokenizer import Tokenizer
+    from ref_impl.engine import transcode
+    from ref_impl.engine.tokenizer import Tokenizer
+    from ref_impl.formats.quantize import quantize_file
 
     work_dir.mkdir(parents=True, exist_ok=True)
     with gguf.read(path) as f:
@@ -260,7 +215,7 @@ def bench_quant(path: Path, work_dir: Path, file_types: Sequence[str] = QUANT_TY
         name = f.metadata.get("general.name", path.stem)
         context = ModelArgs.from_gguf(f.metadata, f.tensors).max_position_embeddings
     if ppl_tokens:
-        from .train import heldout_stream, mean_loss
+        from ref_impl.training.train import heldout_stream, mean_loss
         stream, fingerprint = heldout_stream(tokenizer)
     prompt = np.random.default_rng(seed).integers(1, tokenizer.vocab_size, size=prompt_len).tolist()
     records = []
@@ -296,7 +251,7 @@ def bench_quant(path: Path, work_dir: Path, file_types: Sequence[str] = QUANT_TY
             runs = llama_cpp_peer(qpath, prompt, gen_tokens, repeats)
             tps = _summarize(runs, prompt_len)["tokens_per_s"]
             record(ft, "tokens_per_s", "tok/s", tps[0], tps[1],
-                   peer="llama.cpp (llama-cpp-python " + _package_version("llama_cpp_python") + ")")
+                   peer="llama.cpp (llama-cpp-python " + package_version("llama_cpp_python") + ")")
     return records
 
 
@@ -304,9 +259,9 @@ def bench_quant_groups(path: Path, type_name: str = "Q4_K", ppl_tokens: int = 16
     """Held-out perplexity of the float model at `path` with one group of its matrices rounded through
     `type_name` (quantize.MATRIX_GROUPS, then every matrix; the rest float32), and each group's float32
     bytes: which layers mind the rounding, per weight. The same tokens for every group."""
-    from .quantize import MATRIX_GROUPS, simulate, tensor_kind
-    from .tokenizer import Tokenizer
-    from .train import heldout_stream, window_losses
+    from ref_impl.engine.tokenizer import Tokenizer
+    from ref_impl.formats.quantize import MATRIX_GROUPS, simulate, tensor_kind
+    from ref_impl.training.train import heldout_stream, window_losses
 
     with gguf.read(path) as f:
         tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
@@ -359,7 +314,7 @@ def decode_bytes(model: Model, context: int) -> int:
 
 def args_for(shape_name: str, context: int = 4096) -> ModelArgs:
     """ModelArgs of a Llama-family shape from roofline.MODELS (random weights in it measure speed)."""
-    from .roofline import MODELS
+    from ref_impl.theory.roofline import MODELS
 
     s = MODELS.get(shape_name)
     if s is None or s.qk_norm or s.sliding_window or s.norms_per_layer != 2:
@@ -383,7 +338,7 @@ def random_shape_model(shape: str, args: ModelArgs, weight_type: str, work_dir: 
     in work_dir and loaded with its quantized tensors kept quantized (transcode.load_model); and its
     bits per weight. before_load(path) runs on the file first (a peer on the same file); the file is deleted
     once loaded."""
-    from . import transcode
+    from ref_impl.engine import transcode
 
     path = transcode.write_random_model(work_dir / f"{shape}-{weight_type}.gguf", args, weight_type, seed)
     try:
@@ -531,7 +486,7 @@ def _decode_without(model: Model, prompt: list[int], attention: bool, n: int = 6
     every layer's attention) replaced by a constant: what the rest of the step costs. The model is restored."""
     import mlx.nn as nn
 
-    from . import kernels
+    from ref_impl import kernels
 
     targets = [(name, m) for name, m in model.named_modules()
                if isinstance(m, (nn.Linear, nn.QuantizedLinear, kernels.GEMVLinear))]
@@ -563,7 +518,7 @@ def _decode_without(model: Model, prompt: list[int], attention: bool, n: int = 6
 def _queued_ms(choices: list, variant: str) -> dict[str, float]:
     """Milliseconds per token of the GEMVs run back to back (patch's queued timings, one row), per matrix
     shape, for MLX's built-ins (native), the chosen launches (kernels) or those with the fused groups."""
-    from . import kernels
+    from ref_impl import kernels
 
     out = {}
     single = {(c.n, c.k): c for c in choices if c.rows == 1 and not c.fuse}
@@ -602,8 +557,8 @@ def bench_kernels(shape: str, args: ModelArgs, weight_types: Sequence[str], work
     the decode step (DECODE_VARIANTS). llama_bench_binary: llama.cpp's llama-bench on the same GGUF file first
     (peer "llama.cpp"). quick: decode only, with launch_config's default launches (no sweep, no timing of
     candidates). Off MLX's CUDA backend: one "skipped" record, at once."""
-    from . import kernels
-    from .roofline import matmul_shapes, shape_from_args
+    from ref_impl import kernels
+    from ref_impl.theory.roofline import matmul_shapes, shape_from_args
 
     say = progress or (lambda msg: None)
     if not kernels.on_cuda():
@@ -729,7 +684,7 @@ def bench_kernels(shape: str, args: ModelArgs, weight_types: Sequence[str], work
 def bench_link(budget_s: float = 60.0, max_bytes: int = 1 << 30) -> list[dict]:
     """Link records (experiment "link"): host memory copies, and host<->device copies through PyTorch
     where it sees a CUDA GPU (else one "skipped" record with the reason). See interconnect.measure_link."""
-    from .interconnect import measure_link
+    from ref_impl.theory.interconnect import measure_link
 
     return measure_link(budget_s, max_bytes)
 
@@ -737,18 +692,18 @@ def bench_link(budget_s: float = 60.0, max_bytes: int = 1 << 30) -> list[dict]:
 def bench_alignment(budget_s: float = 60.0) -> list[dict]:
     """Alignment records (experiment "alignment"): the GGUF chapter's sweep of GEMV and sum read rates at
     byte offsets past a cache line, in a buffer inside L2 and one that streams from DRAM, numpy and MLX.
-    See loading.throughput_sweep."""
-    from . import loading
+    See loads.throughput_sweep."""
+    from ref_impl.measure import loads
 
-    rows = loading.throughput_sweep(loading.SWEEP_OFFSETS, loading.sweep_sizes(), budget_s=budget_s)
-    return loading.sweep_records(rows)
+    rows = loads.throughput_sweep(loads.SWEEP_OFFSETS, loads.sweep_sizes(), budget_s=budget_s)
+    return loads.sweep_records(rows)
 
 
 def bench_unified(max_bytes: int = 256 << 20, budget_s: float = 20.0) -> list[dict]:
     """Unified-memory records (experiment "unified"): numpy <-> MLX conversions (copy or share, by
     address; writes seen or not; time vs size) and the first host/device read of a fresh array on the
     default device against a second read. See unified.measure_unified."""
-    from .unified import measure_unified
+    from ref_impl.measure.unified import measure_unified
 
     return measure_unified(max_bytes, budget_s)
 
@@ -757,7 +712,7 @@ def bench_dispatch(path: Path, shapes: Sequence[str] | None = None, quick: bool 
     """Dispatch records (experiments "dispatch-async", "dispatch-layer-eval", "first-call", "kernel-latency",
     "kv-jitter", "wired", "ttft", "itl") for the GGUF model at path and random models of `shapes`, sized for
     this device (quick: seconds on a CPU, a smoke test). See latency.bench_dispatch."""
-    from . import latency
+    from ref_impl.measure import latency
 
     plan = latency.DispatchPlan.for_device(mx.default_device() == mx.gpu, quick)
     return latency.bench_dispatch(path, shapes, plan, progress=progress)
@@ -766,71 +721,20 @@ def bench_dispatch(path: Path, shapes: Sequence[str] | None = None, quick: bool 
 def bench_spec(target: Path, draft: Path, heads: Path | None = None, quick: bool = False, progress=None) -> list[dict]:
     """Speculative decoding records ("spec-alpha", "spec-forward", "spec-speed") for the GGUF target and
     draft, MTP heads (None: no MTP) and random-weight pairs with α set by construction, sized for this
-    device (quick: seconds on a CPU, a smoke test). See speedup.bench_spec."""
-    from . import speedup
+    device (quick: seconds on a CPU, a smoke test). See spec.bench_spec."""
+    from ref_impl.measure import spec
 
-    plan = speedup.SpecPlan.for_device(mx.default_device() == mx.gpu, quick)
-    return speedup.bench_spec(target, draft, heads, plan, progress=progress)
+    plan = spec.SpecPlan.for_device(mx.default_device() == mx.gpu, quick)
+    return spec.bench_spec(target, draft, heads, plan, progress=progress)
 
 
 def bench_kv(path: Path, shapes: Sequence[str] | None = None, quick: bool = False, progress=None) -> list[dict]:
     """KV-cache quantization records ("kv-ppl", "kv-needle", "kv-bytes", "kv-speed") for the GGUF model at
     path and random-weight models of `shapes` ("stdlib-10m": the GGUF model itself), sized for this device
-    (quick: seconds on a CPU, a smoke test). See kvquality.bench_kv."""
-    from . import kvquality
+    (quick: seconds on a CPU, a smoke test). See kv.bench_kv."""
+    from ref_impl.measure import kv
 
-    plan = kvquality.KVPlan.for_device(mx.default_device() == mx.gpu, quick)
-    return kvquality.bench_kv(path, plan, shapes, progress=progress)
-
-
-def _git_commit() -> str:
-    """The commit of the code that ran: REF_IMPL_GIT where set (a copy of the tree on a lent GPU
-    machine, whose .git, if any, need not match the files it ran), else git's answer."""
-    if os.environ.get("REF_IMPL_GIT"):
-        return os.environ["REF_IMPL_GIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-        if out.returncode == 0:
-            return out.stdout.strip()
-    except OSError:
-        pass
-    return "unknown"
+    plan = kv.KVPlan.for_device(mx.default_device() == mx.gpu, quick)
+    return kv.bench_kv(path, plan, shapes, progress=progress)
 
 
-RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
-
-
-def read_results(experiment: str, results_dir: Path = RESULTS_DIR) -> list[tuple[str, dict, dict]]:
-    """(file name, machine, record) of every record of one experiment in results/*.json, peers included."""
-    out = []
-    for path in sorted(results_dir.glob("*.json")):
-        data = json.loads(path.read_text())
-        out += [(path.name, data["machine"], r) for r in data["records"] if r["experiment"] == experiment]
-    return out
-
-
-def recorded_copy_gbs(label: str, cpu: str, results_dir: Path = RESULTS_DIR) -> tuple[float, str]:
-    """(GB/s, file): the newest recorded memory bandwidth of one machine (its label and CPU), the roof
-    the chapters draw for it: bench's MLX copy ("bandwidth", variant copy), else twice bench --link's
-    256 MiB numpy host copy (which counts each byte once; a copy reads it and writes it). LookupError
-    when the machine has neither."""
-    for file, m, r in reversed(read_results("bandwidth", results_dir)):
-        if (m["label"], m["cpu"]) == (label, cpu) and r["variant"] == "copy":
-            return r["value"], file
-    for file, m, r in reversed(read_results("link", results_dir)):
-        if ((m["label"], m["cpu"]) == (label, cpu) and r["variant"] == "host copy (numpy)"
-                and r["metric"] == "copy_bandwidth" and r.get("bytes") == 256 << 20):
-            return 2 * r["value"], file
-    raise LookupError(f"no recorded copy bandwidth for {label} ({cpu}) in {results_dir}")
-
-
-def write_results(records: list[dict], out_dir: Path, command: str, label: str | None = None) -> Path:
-    """Write results/<machine>-<date>.json in the course's one results shape."""
-    machine = machine_info(label)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    doc = {"schema": 1, "date": now.isoformat(timespec="seconds"), "git": _git_commit(),
-           "command": command, "machine": machine, "records": records}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{machine['label']}-{now:%Y%m%d-%H%M%S}.json"
-    path.write_text(json.dumps(doc, indent=1) + "\n")
-    return path

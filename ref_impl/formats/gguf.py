@@ -278,7 +278,7 @@ class GGUFFile:
             return self.array(name).astype(np.float32)
         if info.type is GGMLType.BF16:  # bf16 is the top half of a float32
             return (self.array(name).astype(np.uint32) << 16).view(np.float32)
-        from ref_impl.kquants import DEQUANTIZE  # imported here: kquants builds on this module
+        from ref_impl.formats.kquants import DEQUANTIZE  # imported here: kquants builds on this module
         if info.type.name in DEQUANTIZE:
             return DEQUANTIZE[info.type.name](self.array(name)).reshape(info.shape)
         raise GGUFError(f"unsupported type {info.type.name} for tensor {name!r}: dequantize handles "

@@ -32,8 +32,8 @@ import mlx.optimizers as optim
 import numpy as np
 from tqdm import tqdm
 
-from .model import Model, ModelArgs, save
-from .tokenizer import Tokenizer, train_tokenizer
+from ref_impl.engine.model import Model, ModelArgs, save
+from ref_impl.engine.tokenizer import Tokenizer, train_tokenizer
 
 
 @dataclass
@@ -245,7 +245,7 @@ def train(cfg: TrainConfig, out_dir: Path, progress: bool = True) -> dict:
     save(model, tokenizer, gguf_path, {
         "general.name": cfg.name,
         "general.description": f"Llama-style decoder trained on the Python {python} standard library"})
-    from .bench import machine_info  # the same machine record the benchmarks write
+    from ref_impl.platform.machine import machine_info  # the same machine record the benchmarks write
     log = {
         "name": cfg.name,
         "config": asdict(cfg),

@@ -361,10 +361,10 @@ def host_copy_recorded(results_dir=None) -> dict[str, dict]:
     """Recorded host copy rates (`bench --link`, variant "host copy (numpy)") per machine label, from the
     latest results file of each machine: {label: {"machine": {...}, "file": name, "sizes": [bytes],
     "gbs": [GB/s]}}, sizes ascending. The recorded view the chapter argues from; a live run only adds to it."""
-    from . import bench
+    from ref_impl.measure import records
 
     out: dict[str, dict] = {}
-    rows = bench.read_results("link", *([results_dir] if results_dir is not None else []))
+    rows = records.read_results("link", *([results_dir] if results_dir is not None else []))
     for name, machine, r in rows:                     # files in name order: a later file replaces an earlier
         if r["variant"] != "host copy (numpy)" or r["metric"] != "copy_bandwidth":
             continue
@@ -393,7 +393,7 @@ def streaming_grid(models: list[str], bits=(4, 8, 16), vram_sizes=VRAM_SIZES_GB,
                    link_gbs: float = MEASURED["TB5 host-to-device"], reserve_gb: float = 1.0) -> list[dict]:
     """Every (model of roofline.MODELS, bits, VRAM size) whose weights overflow VRAM: weight and
     overflow GB, tokens/s streamed (with and without overlap) and resident (if it all fit)."""
-    from . import roofline
+    from ref_impl.theory import roofline
 
     rows = []
     for name in models:

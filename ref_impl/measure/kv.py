@@ -47,13 +47,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import kvquant, roofline
-from .bench import _summarize, _time_tokens
-from .generate import Sampler, generate_step, prefill
-from .kvcache import KVCache
-from .latency import _dtype_name, _record, random_model, shape_args
-from .model import Model, load
-from .tokenizer import Tokenizer
+from ref_impl.engine import kvquant
+from ref_impl.engine.generate import Sampler, generate_step, prefill
+from ref_impl.engine.kvcache import KVCache
+from ref_impl.engine.model import Model, load
+from ref_impl.engine.tokenizer import Tokenizer
+from ref_impl.measure.bench import _summarize, _time_tokens
+from ref_impl.measure.latency import _dtype_name, _record, random_model, shape_args
+from ref_impl.theory import roofline
 
 FLOAT = "float"   # the scheme name of the unquantized static cache (kvcache.KVCache)
 
@@ -482,7 +483,7 @@ def bench_kv(model_path: str | Path, plan: KVPlan | None = None, shapes: Sequenc
     per token per scheme and model shape, from nbytes) and "kv-speed" (tok/s per shape, scheme,
     context and attention path, its ratio to float, and the crossover context). `shapes` overrides
     plan.shapes (the GGUF model's file stem, "stdlib-10m", names the GGUF model itself)."""
-    from .train import config_for, read_corpus, token_stream
+    from ref_impl.training.train import config_for, read_corpus, token_stream
 
     plan = plan or KVPlan.for_device(mx.default_device() == mx.gpu)
     model_path = Path(model_path)

@@ -27,9 +27,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import gguf
-from .kvcache import KVCache
-from .tokenizer import Tokenizer
+from ref_impl.engine.kvcache import KVCache
+from ref_impl.engine.tokenizer import Tokenizer
+from ref_impl.formats import gguf
 
 
 @dataclass
@@ -298,7 +298,7 @@ def load_model(f: gguf.GGUFFile, dtype: mx.Dtype | None = None, quantized: bool 
     """Build a Model from an open GGUF file, weights cast to dtype; quantized=True keeps quantized
     tensors quantized (transcode.py: MLX QuantizedLinear layers) instead of expanding them."""
     if quantized:
-        from . import transcode  # transcode builds on this module
+        from ref_impl.engine import transcode  # transcode builds on this module
         return transcode.load_model(f, dtype)
     factors = None
     if "rope_freqs.weight" in f.tensors:

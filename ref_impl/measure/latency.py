@@ -1,6 +1,6 @@
 """Latency: where the time of a decode step goes, measured through MLX on this machine's default device.
 
-What `ref_impl.dispatch`'s queue model takes as given, and what the Dispatch part's claims say:
+What `ref_impl.theory.queue`'s queue model takes as given, and what the Dispatch part's claims say:
 decode with a host sync per token, with `mx.async_eval` pipelining and with an `mx.eval` after every
 layer (C01, C21); the first tokens of a fresh process and `mx.compile`'s tracing (C09, C28; on CUDA
 MLX compiles kernels at run time and caches them on disk); the latency of one tiny kernel against
@@ -28,10 +28,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .bench import _summarize, _time_tokens, args_for, ours
-from .generate import Sampler, generate_step, prefill
-from .kvcache import CACHES, KVCache, make_caches
-from .model import Model, ModelArgs, default_dtype, load
+from ref_impl import ROOT
+from ref_impl.engine.generate import Sampler, generate_step, prefill
+from ref_impl.engine.kvcache import CACHES, KVCache, make_caches
+from ref_impl.engine.model import Model, ModelArgs, default_dtype, load
+from ref_impl.measure.bench import _summarize, _time_tokens, args_for, ours
 
 TINY = ModelArgs(vocab_size=1024, hidden_size=128, num_hidden_layers=4, intermediate_size=384,
                  num_attention_heads=4, num_key_value_heads=2)
@@ -191,7 +192,7 @@ class FirstCall:
 def first_call_profile(model_path: str | Path, prompt_len: int = 16, n_tokens: int = 8, runs: int = 2,
                        seed: int = 0) -> dict:
     """In this process: `compile_cost` first, then load the GGUF model and time `runs` generations.
-    What `python -m ref_impl.latency first-call` prints (as JSON) for `first_call`."""
+    What `python -m ref_impl.measure.latency first-call` prints (as JSON) for `first_call`."""
     began = time.time()
     cost = compile_cost(seed=seed)
     t0 = time.perf_counter()
@@ -212,10 +213,10 @@ def first_call(model_path: str | Path, prompt_len: int = 16, n_tokens: int = 8, 
         env = {**os.environ, "MLX_PTX_CACHE_DIR": cache_dir}
         for i in range(processes):
             launched = time.time()
-            r = subprocess.run([sys.executable, "-m", "ref_impl.latency", "first-call", str(model_path),
+            r = subprocess.run([sys.executable, "-m", "ref_impl.measure.latency", "first-call", str(model_path),
                                 str(prompt_len), str(n_tokens), str(runs), str(seed)],
                                capture_output=True, text=True, timeout=timeout_s, env=env,
-                               cwd=Path(__file__).resolve().parent.parent)
+                               cwd=ROOT)
             ended = time.time()
             if r.returncode != 0:
                 tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
@@ -498,7 +499,7 @@ def bench_dispatch(model_path: str | Path, shapes: Sequence[str] | None = None, 
     model of each shape ("tiny" or a Llama shape; default: tiny, Llama-3.2-1B, Llama-3.1-8B on a GPU,
     tiny on the CPU) -- dispatch-async, dispatch-layer-eval and kv-jitter, and ttft/itl for the GGUF
     model and the largest shape. `plan` sizes it all (default: DispatchPlan.for_device)."""
-    from .loading import wired_reads
+    from ref_impl.measure.loads import wired_reads
 
     gpu = mx.default_device() == mx.gpu
     plan = plan or DispatchPlan.for_device(gpu)
@@ -572,10 +573,10 @@ def bench_dispatch(model_path: str | Path, shapes: Sequence[str] | None = None, 
 
 
 def _main(argv: list[str]) -> int:
-    """`python -m ref_impl.latency first-call MODEL PROMPT_LEN N_TOKENS RUNS SEED`: the child process of
+    """`python -m ref_impl.measure.latency first-call MODEL PROMPT_LEN N_TOKENS RUNS SEED`: the child process of
     `first_call`; prints `first_call_profile`'s result as one JSON line."""
     if len(argv) != 6 or argv[0] != "first-call":
-        print("usage: python -m ref_impl.latency first-call MODEL PROMPT_LEN N_TOKENS RUNS SEED", file=sys.stderr)
+        print("usage: python -m ref_impl.measure.latency first-call MODEL PROMPT_LEN N_TOKENS RUNS SEED", file=sys.stderr)
         return 2
     model, *numbers = argv[1:]
     print(json.dumps(first_call_profile(model, *map(int, numbers))))

@@ -38,7 +38,7 @@ and kernel outputs with `cudaMallocAsync` in device memory; the first CPU access
 `cuda_memory_kind` asks the driver what the installed MLX returned). That first read crosses PCIe,
 and a kernel's first read of a host-made array migrates its pages the other way: these are the
 transfers unified memory avoids, timed here against a second read of the same bytes.
-`ref_impl.interconnect.measure_link` times the same link with pinned PyTorch copies.
+`ref_impl.theory.interconnect.measure_link` times the same link with pinned PyTorch copies.
 
     python -m ref_impl bench --unified --label cpu-2core
 
@@ -54,8 +54,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .interconnect import SIZES, _timed
-from .latency import _record
+from ref_impl.measure.latency import _record
+from ref_impl.theory.interconnect import SIZES, _timed
 
 MAX_BYTES = 256 << 20                                   # 4 KiB .. 256 MiB of interconnect.SIZES
 SENTINEL = 42.0

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import kquants as kq
-from . import roofline as rl
-from . import signalling as sg
-from .gguf import BLOCK, GGMLType
+from ref_impl.formats import kquants as kq
+from ref_impl.formats.gguf import BLOCK, GGMLType
+from ref_impl.theory import roofline as rl
+from ref_impl.theory import signalling as sg
 
 RTOL = 0.01  # an answer within 1% of the engine's value is right
 
@@ -735,7 +735,7 @@ def check_bus_bandwidth(answer, pin_gbps: float = 32, bus_bits: int = 256) -> Re
 # Chapter "Thunderbolt 5 and PCIe tunnelling" (book/signalling/thunderbolt-pcie) -----------------------
 # Its tasks are "Interconnect task 1" to "Interconnect task 3"; tests: `pytest tests/test_exercises.py -k interconnect_task`.
 
-from . import interconnect as ic  # noqa: E402  (this chapter's section of the file)
+from ref_impl.theory import interconnect as ic  # noqa: E402  (this chapter's section of the file)
 
 TLP_RTOL = 1e-3   # an ECRC's 4 bytes move a 512-byte TLP's efficiency by 0.7%: judge to 0.1%
 
@@ -881,8 +881,8 @@ _DTYPES = {2: "float16", 4: "float32", 1: "uint8"}
 def _static_kv_case(shape: str, context: int, dtype_bytes: int):
     import mlx.core as mx
 
-    from .bench import args_for
-    from .kvcache import make_caches
+    from ref_impl.engine.kvcache import make_caches
+    from ref_impl.measure.bench import args_for
 
     a = args_for(shape, max(context, 1))
     caches = make_caches("static", a.num_hidden_layers, 1, a.num_key_value_heads, a.head_dim, context,
@@ -1059,11 +1059,11 @@ def check_growth_steps(fn) -> Result:
 # Chapter "Command buffers and sync bubbles": Dispatch tasks 1-2 -------------------------------------------
 
 def _double_buffer_case(e: float, g: float, n: int, s: float, h: float):
-    from . import dispatch
+    from ref_impl.theory import queue
 
-    cfg = dispatch.QueueConfig(kernels_per_token=n, encode_s=e, gpu_s=g, kernels_per_buffer=n, commit_s=0.0,
+    cfg = queue.QueueConfig(kernels_per_token=n, encode_s=e, gpu_s=g, kernels_per_buffer=n, commit_s=0.0,
                                sync_s=s, host_s=h, policy="double_buffer")
-    right = 1 / dispatch.steady_period(cfg)
+    right = 1 / queue.steady_period(cfg)
     cpu, gpu = n * e + s + h, n * g
     mistakes = [
         (1 / (n * e + n * g + s + h), "that is the synchronous queue (per_token: encode, run, wait, one after the "
@@ -1088,7 +1088,7 @@ def check_double_buffer_tokens_per_s(answer, e: float = 4e-6, g: float = 3e-6, n
     encode e and run g seconds per kernel, n kernels per token, sync s and host work h per token.
 
     `answer` is a number for the given case, or a function `f(e, g, n, s, h) -> tokens/s` called on four cases
-    (CPU-bound and GPU-bound). Checked against `dispatch.steady_period(..., policy="double_buffer")`.
+    (CPU-bound and GPU-bound). Checked against `queue.steady_period(..., policy="double_buffer")`.
     """
     cases = [_double_buffer_case(e, g, n, s, h), _double_buffer_case(2e-6, 20e-6, 400, 20e-6, 60e-6),
              _double_buffer_case(3e-6, 6e-6, 120, 40e-6, 100e-6), _double_buffer_case(1e-6, 8e-6, 1000, 10e-6, 5e-6)]
@@ -1110,14 +1110,14 @@ def async_gain_table(host_us_per_layer: float = 40.0, gbs: float = 1000.0, bits:
     per token; per_token for sync, double_buffer for async_eval. Rounded to 0.01 tok/s, as a results table."""
     from dataclasses import replace
 
-    from . import dispatch
+    from ref_impl.theory import queue
 
     rows = []
     for name, params_b, layers in GAIN_MODELS:
-        cfg = dispatch.QueueConfig(kernels_per_token=layers, encode_s=host_us_per_layer * 1e-6,
+        cfg = queue.QueueConfig(kernels_per_token=layers, encode_s=host_us_per_layer * 1e-6,
                                    gpu_s=params_b * 1e9 * bits / 8 / (gbs * 1e9) / layers, kernels_per_buffer=layers,
                                    commit_s=0.0, sync_s=sync_us * 1e-6, host_s=host_us * 1e-6)
-        sync, piped = (1 / dispatch.steady_period(replace(cfg, policy=p)) for p in ("per_token", "double_buffer"))
+        sync, piped = (1 / queue.steady_period(replace(cfg, policy=p)) for p in ("per_token", "double_buffer"))
         rows.append({"model": name, "params_b": params_b, "layers": layers,
                      "sync_tok_s": round(sync, 2), "async_tok_s": round(piped, 2)})
     return rows
@@ -1177,7 +1177,7 @@ def check_async_stops_helping(answer, threshold: float = 0.10) -> Result:
 def _kv_bytes_case(shape: str, bits: int, group: int, scale_bytes: int):
     import mlx.core as mx
 
-    from .kvquality import scheme_bytes
+    from ref_impl.measure.kv import scheme_bytes
 
     s = rl.MODELS[shape]
     per_layer, _ = scheme_bytes(f"affine{bits}-g{group}", s.num_key_value_heads, s.head_dim,
@@ -1238,7 +1238,7 @@ def _per_channel(keys: np.ndarray, bits: int, qmax: float | None = None, roundin
 def _engine_per_channel(keys: np.ndarray, bits: int) -> np.ndarray:
     import mlx.core as mx
 
-    from . import kvquant
+    from ref_impl.engine import kvquant
 
     t = mx.array(keys.T.copy())                      # channels become rows: one scale per channel
     q, scale = kvquant.quantize_symmetric(t, bits, mx.float32)
@@ -1294,7 +1294,7 @@ def check_quantize_keys_per_channel(fn) -> Result:
 
 
 def _outlier_case(seed: int, factor: float):
-    from .kvquality import outlier_indices
+    from ref_impl.measure.kv import outlier_indices
 
     keys = _keys_block(seed, 64, 64, (5, 17, 50))
     keys[3, 30] = 60.0                  # one token's spike: a large max, an ordinary mean |k|
@@ -1343,7 +1343,7 @@ SPEC_RTOL = 1e-6   # E(α, γ) is a closed form: any float evaluation lands with
 
 
 def _expected_case(alpha: float, gamma: int):
-    from .speedup import expected_tokens
+    from ref_impl.theory.speedup import expected_tokens
 
     right = expected_tokens(alpha, gamma)
     mistakes = [
@@ -1372,7 +1372,7 @@ def check_expected_tokens(answer, alpha: float = 0.7, gamma: int = 4) -> Result:
 
 
 def _optimal_case(alpha: float, c: float, max_gamma: int = 16):
-    from .speedup import expected_tokens, optimal_gamma, speedup
+    from ref_impl.theory.speedup import expected_tokens, optimal_gamma, speedup
 
     right = optimal_gamma(alpha, c, max_gamma)
     grid = range(max_gamma + 1)
@@ -1403,7 +1403,7 @@ def check_optimal_gamma(answer, alpha: float = 0.8, c: float = 0.05) -> Result:
 
 
 def _accept_case(seed: int, vocab: int = 8):
-    from .speculative import accept
+    from ref_impl.engine.speculative import accept
 
     rng = np.random.default_rng(seed)
     p, q = rng.dirichlet(np.ones(vocab) * 0.7), rng.dirichlet(np.ones(vocab) * 0.7)
@@ -1470,7 +1470,7 @@ def check_accept_one(fn) -> Result:
 # Its tasks are "Kernel task 1" to "Kernel task 3"; tests: `pytest tests/test_exercises.py -k kernel_task`.
 
 def _gemv_bytes_case(n: int, k: int, bits: int, group: int, rows: int):
-    from . import kernels
+    from ref_impl import kernels
 
     launch = kernels.launch_config(kernels.Format(bits, group), n, k, rows)
     right = launch.bytes
@@ -1506,7 +1506,7 @@ def check_gemv_bytes(answer, n: int = 14336, k: int = 4096, bits: int = 4, group
 
 
 def _gemv_time_case(n: int, k: int, bits: int, group: int, read_gbs: float):
-    from . import kernels
+    from ref_impl import kernels
 
     launch = kernels.launch_config(kernels.Format(bits, group), n, k, 1)
     right = launch.bytes / (read_gbs * 1e9) * 1e6
@@ -1542,7 +1542,7 @@ _POWERS = (1, 2, 4, 8)
 
 def _launch_rules(n: int, k: int, rows: int, bits: int, r: int, u: int):
     """(the launch, None) when rows_per_warp r and unroll u keep the chapter's rules, else (None, the broken one)."""
-    from . import kernels as kn
+    from ref_impl import kernels as kn
 
     if r not in _POWERS or u not in _POWERS:
         return None, f"choices: rows_per_warp and unroll are each 1, 2, 4 or 8, not {r} and {u}."

@@ -72,8 +72,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import gguf, kquants, quantize
-from .model import Model, ModelArgs, default_dtype, gguf_weight_names
+from ref_impl.engine.model import Model, ModelArgs, default_dtype, gguf_weight_names
+from ref_impl.formats import gguf, kquants, quantize
 
 GROUP = 32   # every mapping uses MLX group 32: the GGML (sub-)block size
 log = logging.getLogger(__name__)

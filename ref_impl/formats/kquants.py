@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ref_impl.gguf import BLOCK, GGMLType
+from ref_impl.formats.gguf import BLOCK, GGMLType
 
 f32 = np.float32
 QK8_0 = 32          # values per Q8_0 block

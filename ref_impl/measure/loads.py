@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import gguf
+from ref_impl.formats import gguf
 
 KiB, MiB = 2**10, 2**20
 LINE = 64           # bytes in a cache line on x86-64 and on Apple's cores' L1
@@ -64,7 +64,7 @@ def rss_mb() -> dict[str, float]:
 def one_thread() -> Iterator[None]:
     """numpy's OpenBLAS (and MLX's, via blas.one_blas_thread) on one thread inside the block: on a
     busy 2-core machine two BLAS threads wait on each other and the timings scatter."""
-    from . import blas
+    from ref_impl.platform import blas
     libs = {line.split()[-1] for line in open("/proc/self/maps") if "openblas" in line.lower()} \
         if os.path.exists("/proc/self/maps") else set()
     restore = []
@@ -263,9 +263,9 @@ def sweep_records(rows: Sequence[Throughput]) -> list[dict]:
 def recorded_sweeps(results_dir: str | os.PathLike | None = None) -> dict[str, tuple[dict, list[Throughput]]]:
     """The recorded sweeps in results/, per machine label (the newest file of each): (machine, rows).
     The machine dict is the file's, plus "file" (its name) and "numpy_blas" (the BLAS numpy used)."""
-    from . import bench
+    from ref_impl.measure import records
     files: dict[str, dict[str, tuple[dict, list]]] = {}
-    for name, machine, r in bench.read_results("alignment", *([Path(results_dir)] if results_dir else [])):
+    for name, machine, r in records.read_results("alignment", *([Path(results_dir)] if results_dir else [])):
         info, rows = files.setdefault(machine["label"], {}).setdefault(
             name, ({**machine, "file": name, "numpy_blas": None}, []))
         info["numpy_blas"] = info["numpy_blas"] or r.get("numpy_blas")

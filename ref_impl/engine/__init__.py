@@ -1,0 +1,1 @@
+"""engine: see DESIGN.md, "The engine"."""

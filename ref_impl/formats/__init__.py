@@ -1,0 +1,1 @@
+"""formats: see DESIGN.md, "The engine"."""

@@ -1,0 +1,1 @@
+"""measure: see DESIGN.md, "The engine"."""

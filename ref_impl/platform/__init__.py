@@ -1,0 +1,1 @@
+"""platform: see DESIGN.md, "The engine"."""

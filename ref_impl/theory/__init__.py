@@ -1,0 +1,1 @@
+"""theory: see DESIGN.md, "The engine"."""

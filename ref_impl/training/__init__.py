@@ -1,0 +1,1 @@
+"""training: see DESIGN.md, "The engine"."""
