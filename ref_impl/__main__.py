@@ -125,7 +125,8 @@ def cmd_train(a: argparse.Namespace) -> None:
 def cmd_bench(a: argparse.Namespace) -> None:
     import tempfile
 
-    from ref_impl.measure.bench import args_for, bench_decode, bench_dispatch, bench_link, bench_quant, bench_shape
+    from ref_impl.engine.random import args_for
+    from ref_impl.measure.bench import bench_decode, bench_dispatch, bench_link, bench_quant, bench_shape
     from ref_impl.measure.records import write_results
 
     with tempfile.TemporaryDirectory(dir=a.work_dir) as work:

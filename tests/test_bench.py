@@ -13,7 +13,7 @@ from ref_impl.engine.model import load_model
 from ref_impl.formats import gguf
 from ref_impl.measure import bench
 from ref_impl.measure.bench import bench_decode, forward_sweep
-from ref_impl.measure.records import write_results
+from ref_impl.measure.records import recorded_copy_gbs, write_results
 
 
 @pytest.fixture(scope="module")
@@ -82,12 +82,12 @@ def test_bench_shape_reports_bytes_speed_and_bandwidth_share(tmp_path):
 
 
 def test_args_for_public_shapes():
-    from ref_impl.measure.bench import args_for
+    from ref_impl.engine.random import args_for
 
     a = args_for("Llama-3.1-8B")
     assert (a.hidden_size, a.num_hidden_layers, a.intermediate_size, a.num_key_value_heads) == (4096, 32, 14336, 8)
     assert not a.tie_word_embeddings and a.num_parameters == 8_030_261_248
-    with pytest.raises(ValueError, match="no Llama-architecture shape 'Qwen3-8B'"):
+    with pytest.raises(ValueError, match="Qwen3-8B is not the Llama architecture"):
         args_for("Qwen3-8B")                       # q/k norms: not our decoder's architecture
 
 
@@ -197,10 +197,10 @@ def test_recorded_copy_bandwidth_prefers_the_newest_mlx_copy_then_twice_the_host
     copy = {"experiment": "link", "variant": "host copy (numpy)", "metric": "copy_bandwidth", "bytes": 256 << 20}
     write("a-1.json", "a", [{**copy, "value": 10.0}, {**copy, "variant": "h2d pinned", "value": 50.0},
                             {**copy, "bytes": 1 << 20, "value": 40.0}])
-    assert records.recorded_copy_gbs("a", "Some CPU", tmp_path) == (20.0, "a-1.json")
+    assert recorded_copy_gbs("a", "Some CPU", tmp_path) == (20.0, "a-1.json")
     bw = {"experiment": "bandwidth", "variant": "copy", "metric": "bandwidth"}
     write("a-2.json", "a", [{**bw, "value": 30.0}])
     write("a-3.json", "a", [{**bw, "value": 31.0}, {**bw, "variant": "read", "value": 99.0}])
-    assert records.recorded_copy_gbs("a", "Some CPU", tmp_path) == (31.0, "a-3.json")
+    assert recorded_copy_gbs("a", "Some CPU", tmp_path) == (31.0, "a-3.json")
     with pytest.raises(LookupError, match="no recorded copy bandwidth for b"):
-        records.recorded_copy_gbs("b", "Some CPU", tmp_path)
+        recorded_copy_gbs("b", "Some CPU", tmp_path)

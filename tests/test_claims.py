@@ -179,7 +179,7 @@ def test_fit_ttft_recovers_flat_linear_and_quadratic_terms():
 
 
 def test_every_claim_links_to_the_page_that_checks_it():
-    book = Path(ledger.__file__).resolve().parent.parent / "book"
+    book = ROOT / "book"
     for c in ledger.CLAIMS.values():
         page = book / f"{ledger.page_of(c)}.ipynb"
         assert page.is_file() and re.search(rf"\b{c.id}\b", page.read_text()), f"{c.id}: {page} does not check it"

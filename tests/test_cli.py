@@ -221,8 +221,8 @@ BAD = [  # (id, arguments, a word the message must contain); "{text}" etc. name 
     ("quantize-missing", ["quantize", "nope.gguf", "{tmp}/x.gguf"], "no such file"),
     ("quantize-truncated", ["quantize", "{truncated}", "{tmp}/x.gguf"], "truncated"),
     ("quantize-twice", ["quantize", "{quantized}", "{tmp}/x.gguf", "--type", "Q4_0"], "already Q8_0"),
-    ("bench-unknown-shape", ["bench", "--shape", "GPT-5"], "no Llama-architecture shape"),
-    ("bench-kv-unknown-shape", ["bench", "--kv", "--shapes", "GPT-5"], "no Llama-architecture shape"),
+    ("bench-unknown-shape", ["bench", "--shape", "GPT-5"], "no model shape 'GPT-5'"),
+    ("bench-kv-unknown-shape", ["bench", "--kv", "--shapes", "GPT-5"], "no model shape 'GPT-5'"),
     ("bench-kv-missing-model", ["bench", "--kv", "--model", "nope.gguf"], "no model file"),
     ("bench-quant-groups-no-tokens", ["bench", "--quant-groups", "--ppl-tokens", "0"], "--ppl-tokens must be positive"),
 ]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ref_impl.theory import interconnect as ic
-from ref_impl.theory import roofline
+from ref_impl.theory import roofline, shapes
 
 
 def test_pcie_link_rates_by_hand():
@@ -92,7 +92,7 @@ def test_weight_streaming_formula_by_hand():
 
 def test_streaming_grid_lists_only_overflowing_configurations():
     rows = ic.streaming_grid(["Llama-3.1-8B"], vram_gbs=1008, link_gbs=5.6)
-    w16 = roofline.weight_bytes(roofline.MODELS["Llama-3.1-8B"], 16) / 1e9
+    w16 = roofline.weight_bytes(shapes.PUBLIC["Llama-3.1-8B"], 16) / 1e9
     assert all(r["overflow_gb"] > 0 for r in rows)
     r = next(r for r in rows if (r["bits"], r["vram_gb"]) == (16, 8))
     assert r["weights_gb"] == pytest.approx(w16) and r["overlap"] == pytest.approx(5.6 / (w16 - 7))

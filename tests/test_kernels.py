@@ -38,11 +38,12 @@ import numpy as np
 from ref_impl import MODELS_DIR, kernels
 from ref_impl.engine.generate import Sampler, generate_step
 from ref_impl.engine.model import load
+from ref_impl.engine.random import args_for, random_model
 from ref_impl.kernels import cuda
 from ref_impl.measure import bench
-from ref_impl.measure.bench import args_for, bench_kernels
-from ref_impl.measure.latency import TINY, random_model
-from ref_impl.theory.roofline import MODELS, matmul_shapes
+from ref_impl.measure.bench import bench_kernels
+from ref_impl.theory.roofline import matmul_shapes
+from ref_impl.theory.shapes import PUBLIC
 
 try:
     import pytest
@@ -50,7 +51,7 @@ except ImportError:   # the GPU machine runs this file as a script
     pytest = None
 
 SHIPPED = MODELS_DIR / "stdlib-10m.gguf"
-SHAPES_8B = sorted({(n, k) for k, n in matmul_shapes(MODELS["Llama-3.1-8B"])})
+SHAPES_8B = sorted({(n, k) for k, n in matmul_shapes(PUBLIC["Llama-3.1-8B"])})
 QKV_8B, GATE_8B = (4096, 1024, 1024), (14336, 4096)
 Q4, F16 = kernels.Format(4, 32), kernels.Format(16)
 CUDA = kernels.on_cuda()
@@ -423,7 +424,7 @@ def test_count_kernels_of_a_compiled_step_changes_as_the_backend_does():
 def test_count_kernels_grows_linearly_with_layers():
     from dataclasses import replace
 
-    counts = [kernels.count_kernels(random_model(replace(TINY, num_hidden_layers=n))) for n in (1, 2, 3)]
+    counts = [kernels.count_kernels(random_model(replace(args_for("tiny"), num_hidden_layers=n))) for n in (1, 2, 3)]
     assert counts[0] > 0 and counts[2] - counts[1] == counts[1] - counts[0] > 0
 
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from ref_impl.engine.model import ModelArgs, load
+from ref_impl.engine.random import random_model
 from ref_impl.measure import kv
-from ref_impl.measure.latency import random_model
-from ref_impl.theory import roofline
+from ref_impl.theory import roofline, shapes
 from ref_impl.training import train
 
 CONTEXT, WINDOWS = 128, 2
@@ -111,7 +111,7 @@ def test_memory_table_matches_hand_formulas():
     for (scheme, context), value in got.items():
         expected = 2 * layers * heads * per_head[scheme] * context + (kivi_fixed if scheme == "kivi2" else 0)
         assert value == expected, (scheme, context)
-    shape = roofline.MODELS["Llama-3.1-8B"]
+    shape = shapes.PUBLIC["Llama-3.1-8B"]
     for c in contexts:
         assert got[("float", c)] == roofline.kv_cache_bytes(shape, c, 2)
     assert {r["vs_float"] for r in rows if r["scheme"] == "float"} == {1.0}

@@ -20,6 +20,7 @@ import pytest
 
 from ref_impl.engine.generate import Sampler, generate_step
 from ref_impl.engine.kvcache import CACHES, ChunkedKVCache, ConcatKVCache, KVCache, make_caches
+from ref_impl.engine.random import args_for
 from ref_impl.measure import latency, loads
 from ref_impl.measure.latency import (
     MODES,
@@ -32,7 +33,6 @@ from ref_impl.measure.latency import (
     kv_jitter,
     layer_eval_step,
     random_model,
-    shape_args,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,7 +42,7 @@ EXPERIMENTS = {"dispatch-async", "dispatch-layer-eval", "first-call", "kernel-la
 
 @pytest.fixture(scope="module")
 def tiny():
-    return random_model(shape_args("tiny", 256), mx.float32, seed=1)
+    return random_model(args_for("tiny", 256), mx.float32, seed=1)
 
 
 def caches_of(model, kind, size, step=None):
@@ -191,10 +191,10 @@ def test_context_sweep_skips_lengths_past_the_context(tiny):
 
 
 def test_shapes():
-    assert shape_args("tiny", 100).max_position_embeddings == 100
-    assert shape_args("Llama-3.1-8B").num_hidden_layers == 32
-    with pytest.raises(ValueError, match="no Llama-architecture shape"):
-        shape_args("GPT-5")
+    assert args_for("tiny", 100).max_position_embeddings == 100
+    assert args_for("Llama-3.1-8B").num_hidden_layers == 32
+    with pytest.raises(ValueError, match="no model shape 'GPT-5'"):
+        args_for("GPT-5")
 
 
 def test_wired_reads():
@@ -249,7 +249,7 @@ def test_bench_dispatch_writes_a_well_formed_results_file(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--shapes", "GPT-5"], "no Llama-architecture shape 'GPT-5'"),
+    (["--shapes", "GPT-5"], "no model shape 'GPT-5'"),
     (["--model", "no/such/model.gguf"], "no model file"),
 ])
 def test_bench_dispatch_refuses_bad_input(tmp_path, args, message):

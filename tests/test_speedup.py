@@ -12,8 +12,8 @@ import pytest
 from ref_impl import MODELS_DIR
 from ref_impl.engine.generate import Sampler, generate_step
 from ref_impl.engine.model import ModelArgs
+from ref_impl.engine.random import random_model
 from ref_impl.engine.speculative import SpeculativeStep, speculative_generate
-from ref_impl.measure.latency import random_model
 from ref_impl.measure.spec import AlphaDrafter, SpecPlan, acceptance_by_position, bench_spec
 from ref_impl.theory.speedup import break_even_alpha, expected_tokens, optimal_gamma, speedup
 

@@ -15,7 +15,7 @@ from gguf.quants import dequantize as oracle
 from numpy_reference import forward as np_forward
 from numpy_reference import load as np_load
 
-from ref_impl.engine import transcode
+from ref_impl.engine import random, transcode
 from ref_impl.engine.generate import Sampler, generate
 from ref_impl.engine.model import ModelArgs, load, load_model
 from ref_impl.engine.tokenizer import Tokenizer
@@ -33,7 +33,7 @@ def mlx_dequantize(a: transcode.Affine, scale_dtype=mx.float32) -> np.ndarray:
 
 
 def random_tensor(type_name: str, rows=6, cols=512, seed=0) -> tuple[np.ndarray, transcode.Affine]:
-    data = transcode.random_blocks(type_name, rows, cols, np.random.default_rng(seed))
+    data = random.random_blocks(type_name, rows, cols, np.random.default_rng(seed))
     return data, transcode.transcode_tensor("w", gguf.GGMLType[type_name], data, (rows, cols))
 
 
@@ -76,7 +76,7 @@ def test_float16_scales_error(name):
 
 def q6_k_with_scales(s_a: np.ndarray, s_b: np.ndarray, rng) -> np.ndarray:
     """Random Q6_K blocks (n, 210) whose groups of 32 have sub-block scales (s_a, s_b)."""
-    data = transcode.random_blocks("Q6_K", len(s_a), 256, rng).reshape(-1, 210)
+    data = random.random_blocks("Q6_K", len(s_a), 256, rng).reshape(-1, 210)
     s = np.stack([np.broadcast_to(s_a[:, None], (len(s_a), 8)),
                   np.broadcast_to(s_b[:, None], (len(s_a), 8))], axis=2).reshape(-1, 16)
     data[:, 192:208] = s.astype(np.int8).view(np.uint8)
@@ -211,7 +211,7 @@ def test_write_random_model(tmp_path):
     file, and load."""
     args = ModelArgs(300, 256, 8, 512, 4, 2, max_position_embeddings=64, tie_word_embeddings=False)
     for file_type in ("Q4_K_M", "F16"):
-        path = transcode.write_random_model(tmp_path / f"{file_type}.gguf", args, file_type)
+        path = random.write_random_model(tmp_path / f"{file_type}.gguf", args, file_type)
         with gguf.read(path) as f:
             types = {n: i.type.name for n, i in f.tensors.items()}
             model = load_model(f, mx.float32, quantized=True)
@@ -224,7 +224,7 @@ def test_write_random_model(tmp_path):
             assert types["output.weight"] == "Q6_K" and types["blk.1.attn_q.weight"] == "Q4_K"
             assert [types[f"blk.{i}.ffn_down.weight"] for i in range(8)] == \
                 ["Q6_K", "Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q4_K", "Q6_K", "Q6_K"]
-            assert np.abs(kquants.dequantize_q4_k(transcode.random_blocks(
+            assert np.abs(kquants.dequantize_q4_k(random.random_blocks(
                 "Q4_K", 4, 256, np.random.default_rng(0)))).max() < 2
 
 
@@ -236,7 +236,7 @@ def test_plan_names_every_representation(tmp_path):
     rng = np.random.default_rng(0)
     gguf.write(tmp_path / "m.gguf", {"general.architecture": "llama"}, {
         "a.weight": gguf.TensorData(gguf.GGMLType.Q3_K, (4, 256), rng.integers(0, 256, (4, 110), np.uint8)),
-        "b.weight": gguf.TensorData(gguf.GGMLType.Q4_K, (4, 256), transcode.random_blocks("Q4_K", 4, 256, rng)),
+        "b.weight": gguf.TensorData(gguf.GGMLType.Q4_K, (4, 256), random.random_blocks("Q4_K", 4, 256, rng)),
         "c.weight": np.zeros((4, 32), np.float16), "norm.weight": np.ones(32, np.float32)})
     with gguf.read(tmp_path / "m.gguf") as f:
         table = transcode.plan(f)

@@ -30,6 +30,7 @@ import numpy as np
 from ref_impl.engine.kvcache import KVCache
 from ref_impl.engine.tokenizer import Tokenizer
 from ref_impl.formats import gguf
+from ref_impl.theory.shapes import ModelShape
 
 
 @dataclass
@@ -102,6 +103,23 @@ class ModelArgs:
             raise ValueError(f"llama.rope.dimension_count ({metadata['llama.rope.dimension_count']}) "
                              f"must equal the head dimension ({args.head_dim})")
         return args
+
+    @classmethod
+    def from_shape(cls, shape: ModelShape, context: int = 4096) -> ModelArgs:
+        """The decoder's hyper-parameters for a shape of theory/shapes.py, attending to `context` positions;
+        a ValueError when the shape is not the Llama architecture this decoder builds."""
+        if not shape.is_llama:
+            raise ValueError(f"{shape.name} is not the Llama architecture this decoder builds "
+                             "(query/key norms, a sliding window or a mixture of experts)")
+        return cls(shape.vocab_size, shape.hidden_size, shape.num_hidden_layers, shape.intermediate_size,
+                   shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim,
+                   max_position_embeddings=context, tie_word_embeddings=shape.tie_word_embeddings)
+
+    def shape(self, name: str) -> ModelShape:
+        """This model as a shape of theory/shapes.py, for the roofline's arithmetic."""
+        return ModelShape(name, self.vocab_size, self.hidden_size, self.num_hidden_layers, self.intermediate_size,
+                          self.num_attention_heads, self.num_key_value_heads, self.head_dim,
+                          self.tie_word_embeddings, "ref_impl.engine.model.ModelArgs")
 
     def gguf_metadata(self) -> dict[str, Any]:
         """The llama-architecture metadata llama.cpp needs to load this model."""

@@ -66,14 +66,13 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 from ref_impl.engine.model import Model, ModelArgs, default_dtype, gguf_weight_names
-from ref_impl.formats import gguf, kquants, quantize
+from ref_impl.formats import gguf, kquants
 
 GROUP = 32   # every mapping uses MLX group 32: the GGML (sub-)block size
 log = logging.getLogger(__name__)
@@ -379,76 +378,3 @@ def transcode_error(f: gguf.GGUFFile, name: str, scale_dtype: mx.Dtype = mx.floa
     ours = mx.dequantize(mx.array(a.weight), mx.array(a.scales).astype(scale_dtype),
                          mx.array(a.biases).astype(scale_dtype), group_size=a.group_size, bits=a.bits)
     return float(np.abs(np.array(ours.astype(mx.float32)) - f.dequantize(name)).max())
-
-
-# --- random models for speed measurements ----------------------------------------------------------
-
-# fp16 fields of each block (byte offsets) and the largest scale that keeps weights plausible (|w| < ~1)
-_SCALE_FIELDS = {"Q4_0": ((0,), 0.1), "Q4_1": ((0, 2), 0.05), "Q5_0": ((0,), 0.05), "Q5_1": ((0, 2), 0.03),
-                 "Q8_0": ((0,), 0.008), "Q4_K": ((0, 2), 1e-3), "Q5_K": ((0, 2), 5e-4), "Q6_K": ((208,), 2e-4)}
-
-
-def _random_bytes(n: int, rng: np.random.Generator) -> np.ndarray:
-    """n random uint8, straight from the bit generator (~4x faster than rng.bytes)."""
-    return rng.bit_generator.random_raw(-(-n // 8)).view(np.uint8)[:n]
-
-
-def random_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Random valid blocks (rows, row_bytes) of a quantized type: random codes and small finite fp16
-    scales, generated as bytes (no float quantization), so a multi-GB model takes seconds."""
-    values, nbytes = gguf.BLOCK[gguf.GGMLType[type_name]]
-    fields, d_max = _SCALE_FIELDS[type_name]
-    n_blocks = rows * cols // values
-    blocks = _random_bytes(n_blocks * nbytes, rng).reshape(n_blocks, nbytes)
-    # an fp16 in [d_max/8, d_max): biased exponent e or e+1, mantissa random -- a few integer ops
-    e = int(np.floor(np.log2(d_max))) + 15 - 2
-    for at in fields:
-        half = blocks[:, at:at + 2].copy().view("<u2")
-        half[:] = (half & 0x03FF) + np.uint16(e << 10) + (half & 0x0400)
-        blocks[:, at:at + 2] = half.view(np.uint8)
-    return blocks.reshape(rows, -1)
-
-
-def _random_f16(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Random float16 (rows, cols) with |x| in [2^-7, 2^-5), sign random, made from raw bits."""
-    bits = _random_bytes(rows * cols * 2, rng).view("<u2").reshape(rows, cols)
-    return ((bits & 0x87FF) | 0x2000).view("<f2")
-
-
-def write_random_model(path: str | Path, args: ModelArgs, file_type: str = "Q4_K", seed: int = 0) -> Path:
-    """A llama GGUF of args' shape with random weights, typed per tensor as llama.cpp's quantizer
-    would type a `file_type` file (quantize.tensor_types: "Q4_K_M" mixes Q4_K and Q6_K; "Q4_K",
-    "Q8_0", "F16", ...), norms F32 -- for speed measurements, e.g. Llama-3.1-8B:
-    ModelArgs(128256, 4096, 32, 14336, 32, 8, tie_word_embeddings=False) (4.9 GB in Q4_K_M).
-    Blocks are random bytes with valid scales: nothing is quantized, so 5 GB take seconds. The file has no
-    tokenizer ("none"), so llama.cpp's llama-bench runs on the same file. Returns path."""
-    rng = np.random.default_rng(seed)
-    d, hd = args.hidden_size, args.head_dim
-    shapes = {"token_embd.weight": (args.vocab_size, d), "output_norm.weight": (d,)}
-    if not args.tie_word_embeddings:
-        shapes["output.weight"] = (args.vocab_size, d)
-    for i in range(args.num_hidden_layers):
-        p = f"blk.{i}."
-        shapes.update({p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,),
-                       p + "attn_q.weight": (args.num_attention_heads * hd, d),
-                       p + "attn_k.weight": (args.num_key_value_heads * hd, d),
-                       p + "attn_v.weight": (args.num_key_value_heads * hd, d),
-                       p + "attn_output.weight": (d, args.num_attention_heads * hd),
-                       p + "ffn_gate.weight": (args.intermediate_size, d),
-                       p + "ffn_up.weight": (args.intermediate_size, d),
-                       p + "ffn_down.weight": (d, args.intermediate_size)})
-    infos = {n: gguf.TensorInfo(n, gguf.GGMLType.F32, s, 0, 0) for n, s in shapes.items()}
-    tensors = {}
-    for name, t in quantize.tensor_types(infos, file_type).items():
-        shape = shapes[name]
-        if len(shape) == 1:
-            tensors[name] = np.ones(shape, np.float32)
-        elif t == "F32":
-            tensors[name] = _random_f16(*shape, rng).astype(np.float32)
-        elif t == "F16":
-            tensors[name] = _random_f16(*shape, rng)
-        else:
-            tensors[name] = gguf.TensorData(gguf.GGMLType[t], shape, random_blocks(t, *shape, rng))
-    # no tokenizer: llama.cpp then adds vocab_size dummy tokens, which is all llama-bench needs
-    gguf.write(path, {**args.gguf_metadata(), "tokenizer.ggml.model": "none"}, tensors)
-    return Path(path)

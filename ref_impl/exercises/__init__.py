@@ -118,7 +118,7 @@ def _units(right: float, unit: str) -> list[Mistake]:
 # Task 1 -------------------------------------------------------------------------------------
 
 def _bytes_case(model: str, bits: float, context: int):
-    s = rl.MODELS[model]
+    s = shapes.PUBLIC[model]
     w, kv = rl.weight_bytes(s, bits), rl.kv_cache_bytes(s, context)
     right = w + kv
     mistakes = [
@@ -212,7 +212,7 @@ def check_ridge_point(answer: float | Callable, hardware: str = "RTX 4090") -> R
 # Task 4 -------------------------------------------------------------------------------------
 
 def _decode_case(hardware: str, model: str, bits: float, context: int):
-    hw, s = rl.HARDWARE[hardware], rl.MODELS[model]
+    hw, s = rl.HARDWARE[hardware], shapes.PUBLIC[model]
     right = rl.decode_tokens_per_s(hw, s, bits, context)
     w, kv = rl.weight_bytes(s, bits), rl.kv_cache_bytes(s, context)
     mistakes = [
@@ -736,6 +736,7 @@ def check_bus_bandwidth(answer, pin_gbps: float = 32, bus_bits: int = 256) -> Re
 # Its tasks are "Interconnect task 1" to "Interconnect task 3"; tests: `pytest tests/test_exercises.py -k interconnect_task`.
 
 from ref_impl.theory import interconnect as ic  # noqa: E402  (this chapter's section of the file)
+from ref_impl.theory import shapes
 
 TLP_RTOL = 1e-3   # an ECRC's 4 bytes move a 512-byte TLP's efficiency by 0.7%: judge to 0.1%
 
@@ -882,7 +883,7 @@ def _static_kv_case(shape: str, context: int, dtype_bytes: int):
     import mlx.core as mx
 
     from ref_impl.engine.kvcache import make_caches
-    from ref_impl.measure.bench import args_for
+    from ref_impl.engine.random import args_for
 
     a = args_for(shape, max(context, 1))
     caches = make_caches("static", a.num_hidden_layers, 1, a.num_key_value_heads, a.head_dim, context,
@@ -1179,7 +1180,7 @@ def _kv_bytes_case(shape: str, bits: int, group: int, scale_bytes: int):
 
     from ref_impl.measure.kv import scheme_bytes
 
-    s = rl.MODELS[shape]
+    s = shapes.PUBLIC[shape]
     per_layer, _ = scheme_bytes(f"affine{bits}-g{group}", s.num_key_value_heads, s.head_dim,
                                 getattr(mx, _DTYPES[scale_bytes]))
     right = per_layer * s.num_hidden_layers                    # read off the caches' real nbytes

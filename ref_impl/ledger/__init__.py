@@ -27,7 +27,8 @@ import numpy as np
 
 from ref_impl import MODELS_DIR, RESULTS_DIR
 from ref_impl.platform import blas
-from ref_impl.theory import roofline
+from ref_impl.theory import roofline, shapes
+from ref_impl.theory.shapes import ModelShape
 
 SEEDS = ("000_8c45ce1e9e68affe.txt", "001_71c9d8b5ea64f620.txt")  # in ../shared/seeds/
 CHAPTERS = ("roofline", "signalling", "interconnect", "gguf", "kquants", "dispatch", "kv-cache", "speculative")
@@ -109,7 +110,7 @@ def measure_matmul(rows: int = 8192, cols: int = 4096, tokens: int = 256) -> Mat
 @dataclass(frozen=True)
 class ForwardTiming:
     """Forward time of the shipped model against prompt length, and decode-step time at two contexts."""
-    shape: roofline.ModelShape
+    shape: ModelShape
     lengths: tuple[int, ...]          # tokens in one forward from an empty cache
     seconds: tuple[float, ...]
     decode_contexts: tuple[int, int]  # context of the timed decode steps
@@ -141,7 +142,7 @@ def measure_forward(max_len: int = 512, rounds: int = 3, steps: int = 8) -> Forw
             mx.eval(model(tokens[:, off:off + 1], cache))
         decode = [[_best(lambda c=c: step(c), 1) for c in caches] for _ in range(steps)]  # interleaved
     d_lo, d_hi = np.min(decode, axis=0)
-    return ForwardTiming(roofline.shape_from_args(SHIPPED_MODEL.stem, model.args), tuple(lengths), tuple(seconds),
+    return ForwardTiming(model.args.shape(SHIPPED_MODEL.stem), tuple(lengths), tuple(seconds),
                          contexts, (float(d_lo), float(d_hi)))
 
 
@@ -155,14 +156,14 @@ def recorded(experiment: str, model: str) -> list[tuple[str, dict, dict]]:
 
 # ---- arithmetic the checks share --------------------------------------------------------------------
 
-def model_intensity(shape: roofline.ModelShape, n_tokens: int, bits: float = 16, act_bytes: float = 2) -> float:
+def model_intensity(shape: ModelShape, n_tokens: int, bits: float = 16, act_bytes: float = 2) -> float:
     """FLOP per byte of all of a model's matmuls on n tokens at once (weights and activations moved)."""
     flops, nbytes = zip(*(roofline.matmul_cost(n_tokens, k, m, bits, act_bytes)
                           for k, m in roofline.matmul_shapes(shape)))
     return sum(flops) / sum(nbytes)
 
 
-def tokens_to_reach(shape: roofline.ModelShape, intensity: float, bits: float = 16) -> int:
+def tokens_to_reach(shape: ModelShape, intensity: float, bits: float = 16) -> int:
     """The fewest tokens per pass for which `model_intensity` exceeds `intensity` (bisection)."""
     lo, hi = 1, 1 << 20
     while lo < hi:
@@ -171,7 +172,7 @@ def tokens_to_reach(shape: roofline.ModelShape, intensity: float, bits: float = 
     return lo
 
 
-def attention_share(shape: roofline.ModelShape, prompt_len: int) -> float:
+def attention_share(shape: ModelShape, prompt_len: int) -> float:
     """Fraction of a prefill's FLOPs spent in attention (Q.K and scores.V): the part that grows as N²."""
     return 1 - 2 * roofline.matmul_params(shape) * prompt_len / roofline.prefill_flops(shape, prompt_len)
 
@@ -192,15 +193,15 @@ def implied_bandwidth_gbs(tokens_per_s: float, gb_per_token: float) -> float:
 
 # ---- the checks ---------------------------------------------------------------------------------------
 
-LLAMA8B = roofline.MODELS["Llama-3.1-8B"]
+LLAMA8B = shapes.PUBLIC["Llama-3.1-8B"]
 RIDGED = [hw for hw in roofline.HARDWARE.values() if hw.peak_tflops is not None]  # Apple: no sourced peak
-_TABLES = "roofline.HARDWARE (vendor datasheets), roofline.MODELS (config.json)"
+_TABLES = "roofline.HARDWARE (vendor datasheets), shapes.PUBLIC (config.json)"
 
 
 def check_c27(live: bool) -> Verdict:
     """Decode GEMVs: their intensity in real shapes against every sourced ridge point; live GEMV rates."""
     names = ("Llama-3.2-1B", "Llama-3.1-8B", "Qwen3-32B")
-    each = [roofline.matmul_intensity(1, k, m, 16) for n in names for k, m in roofline.matmul_shapes(roofline.MODELS[n])]
+    each = [roofline.matmul_intensity(1, k, m, 16) for n in names for k, m in roofline.matmul_shapes(shapes.PUBLIC[n])]
     ridges = {hw.name: roofline.ridge_point(hw) for hw in RIDGED}
     lo, hi = min(ridges.values()), max(ridges.values())
     ev = {"GEMV intensity, Llama-3.1-8B, 16-bit": Number(model_intensity(LLAMA8B, 1), "FLOP/byte"),
@@ -338,7 +339,7 @@ def check_c04(live: bool) -> Verdict:
         expect[name] = [u * gbs / C04_GB for u in C04_UTIL]
         ev |= {f"{name} ({gbs:.0f} GB/s) at {100 * u:.0f}%": Number(x, "tok/s") for u, x in zip(C04_UTIL, expect[name])}
     ev[f"{GDDR7_CARD} at 100%"] = Number(card / C04_GB, "tok/s")
-    kv = roofline.kv_cache_bytes(roofline.MODELS["Gemma-3-12B"], 8192) / 1e9  # stand-in: Gemma 4 is not in MODELS
+    kv = roofline.kv_cache_bytes(shapes.PUBLIC["Gemma-3-12B"], 8192) / 1e9  # stand-in: Gemma 4 is not in MODELS
     ev["KV read per token at 8k context, Gemma-3-12B shape, bf16"] = Number(kv, "GB")
     (c_lo, c_hi), (b_lo, b_hi) = expect[GDDR7_CARD], expect["C03's 256-bit bus"]
     summary = (f"{C04_TOKENS[0]:.0f}-{C04_TOKENS[1]:.0f} tok/s × {C04_GB} GB is {read[0]:.0f}-{read[1]:.0f} GB/s, "
@@ -820,7 +821,7 @@ def check_c08(live: bool) -> Verdict:
     over = [r for r in rows if r["overlap"] >= 1]
     small = min(rows, key=lambda r: r["overflow_gb"])
     l8 = next(r for r in rows if (r["model"], r["bits"], r["vram_gb"]) == ("Llama-3.1-8B", 16, 8))
-    hs = ic.Link().handshake_us * 1e-6 * roofline.MODELS["Llama-3.1-8B"].num_hidden_layers
+    hs = ic.Link().handshake_us * 1e-6 * shapes.PUBLIC["Llama-3.1-8B"].num_hidden_layers
     ev = {"link rate assumed (measured TB5 host-to-device)": Number(link, "GB/s"),
           "overflow at which streaming alone allows 1 token/s": Number(ic.overflow_for(1, link), "GB"),
           "same at the Gen4 x4 ceiling (256-byte TLPs)": Number(ic.overflow_for(1, ic.payload_gbs(4, 4, 256)), "GB"),
@@ -831,7 +832,7 @@ def check_c08(live: bool) -> Verdict:
           "tokens/s at that overflow, overlapped": Number(small["overlap"], "tok/s"),
           "Llama-3.1-8B 16-bit on 8 GB: streamed": Number(l8["overlap"], "tok/s"),
           "Llama-3.1-8B 16-bit: resident at the RTX 4090's bandwidth": Number(l8["resident"], "tok/s"),
-          f"{roofline.MODELS['Llama-3.1-8B'].num_hidden_layers} per-layer handshakes ({ic.Link().handshake_us:g} µs each) per token": Number(1e3 * hs, "ms")}
+          f"{shapes.PUBLIC['Llama-3.1-8B'].num_hidden_layers} per-layer handshakes ({ic.Link().handshake_us:g} µs each) per token": Number(1e3 * hs, "ms")}
     summary = (f"Streaming makes the overflow cross the link every token, so tokens/s ≤ link GB/s / overflow GB: "
                f"under 1 token/s only when more than ~{ic.overflow_for(1, link):.1f} GB overflow at the measured "
                f"{link} GB/s; of {len(rows)} overflowing configurations ({', '.join(STREAM_MODELS)} at 4/8/16 bits on "
@@ -1481,7 +1482,7 @@ def check_c16(live: bool) -> Verdict:
 
 # ---- KV-cache part: memory, outliers, quality (C05, C17, C20) -----------------------------------------
 
-KV_TABLES = "kvquality.memory_table (the caches' real nbytes; shapes from config.json: roofline.MODELS, Qwen3-30B-A3B)"
+KV_TABLES = "kvquality.memory_table (the caches' real nbytes; shapes from config.json: shapes.PUBLIC, Qwen3-30B-A3B)"
 
 
 def kv_quality_recorded() -> dict[str, dict]:
@@ -1527,7 +1528,7 @@ def check_c05(live: bool) -> Verdict:
            f"{nearest}, 4-bit affine (g64) at 64k": Number(gb[nearest, "affine4-g64"], "GB"),
            "4-bit g64 / float16 (4.5 of 16 bits)": Number(gb[nearest, "affine4-g64"] / gb[nearest, "float"], "ratio"),
            "the claim's 2.5 / 9.0": Number(2.5 / 9.0, "ratio")}
-    thirty = sorted((m for m in models if kvq.KV_SHAPES[m].num_hidden_layers >= 48), key=lambda m: gb[m, "float"])
+    thirty = sorted((m for m in models if shapes.shape(m).num_hidden_layers >= 48), key=lambda m: gb[m, "float"])
     summary = (f"The ratio is 4-bit's, the size a 4-8B model's: 4-bit affine groups of 64 cost 4.5 bits, so 9.0 GB "
                f"becomes {9.0 * 4.5 / 16:.2f} GB (8-bit: {9.0 * 8.5 / 16:.2f} GB); but a float16 cache near 9.0 GB "
                f"at 64k belongs to " + " and ".join(f"{m} ({gb[m, 'float']:.2f} GB = {gb[m, 'float'] * 1e9 / 2**30:.1f} GiB)"
@@ -1593,7 +1594,7 @@ def check_c20(live: bool) -> Verdict:
     """Memory saved by outlier-preserving keys with 4-bit values (real nbytes), and its recorded perplexity."""
     from ref_impl.measure import kv as kvq
 
-    s = roofline.MODELS["Llama-3.1-8B"]
+    s = shapes.PUBLIC["Llama-3.1-8B"]
     per = {k: kvq.scheme_bytes(k, s.num_key_value_heads, s.head_dim)[0] for k in ("float", "outlier4", "affine4-g64")}
     saved = 100 * (1 - per["outlier4"] / per["float"])
     ceiling = 100 * (1 - per["affine4-g64"] / per["float"])

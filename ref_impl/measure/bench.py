@@ -31,6 +31,7 @@ from mlx.utils import tree_flatten
 
 from ref_impl.engine.generate import Sampler, decoder, generate_step, prefill
 from ref_impl.engine.model import Model, ModelArgs, load_model
+from ref_impl.engine.random import random_gguf_model
 from ref_impl.formats import gguf
 from ref_impl.platform import blas
 from ref_impl.platform.machine import package_version
@@ -312,45 +313,11 @@ def decode_bytes(model: Model, context: int) -> int:
     return nbytes + 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * context * params["norm.weight"].itemsize
 
 
-def args_for(shape_name: str, context: int = 4096) -> ModelArgs:
-    """ModelArgs of a Llama-family shape from roofline.MODELS (random weights in it measure speed)."""
-    from ref_impl.theory.roofline import MODELS
-
-    s = MODELS.get(shape_name)
-    if s is None or s.qk_norm or s.sliding_window or s.norms_per_layer != 2:
-        llama = [n for n, m in MODELS.items() if not (m.qk_norm or m.sliding_window or m.norms_per_layer != 2)]
-        raise ValueError(f"no Llama-architecture shape {shape_name!r}; have {', '.join(llama)}")
-    return ModelArgs(s.vocab_size, s.hidden_size, s.num_hidden_layers, s.intermediate_size, s.num_attention_heads,
-                     s.num_key_value_heads, s.head_dim, max_position_embeddings=context,
-                     tie_word_embeddings=s.tie_word_embeddings)
-
-
 def bandwidth_records(bw: dict[str, float]) -> list[dict]:
     """memory_bandwidth's result as records (experiment "bandwidth"), the roof the decode records divide by."""
     return [{"experiment": "bandwidth", "model": None, "weights": None, "kv": None, "context": None,
              "variant": kind, "metric": "bandwidth", "unit": "GB/s", "value": v, "samples": [], "peer": None}
             for kind, v in bw.items()]
-
-
-def random_shape_model(shape: str, args: ModelArgs, weight_type: str, work_dir: Path, seed: int = 0,
-                       before_load: Callable[[Path], None] | None = None) -> tuple[Model, float]:
-    """A random-weight model of args' shape as llama.cpp would type a `weight_type` file, written to a GGUF
-    in work_dir and loaded with its quantized tensors kept quantized (transcode.load_model); and its
-    bits per weight. before_load(path) runs on the file first (a peer on the same file); the file is deleted
-    once loaded."""
-    from ref_impl.engine import transcode
-
-    path = transcode.write_random_model(work_dir / f"{shape}-{weight_type}.gguf", args, weight_type, seed)
-    try:
-        if before_load is not None:
-            before_load(path)
-        with gguf.read(path) as f:
-            model = transcode.load_model(f, None)
-            weights = sum(int(np.prod(t.shape)) for t in f.tensors.values())
-            nbytes = sum(t.nbytes for t in f.tensors.values())
-    finally:
-        path.unlink()
-    return model, 8 * nbytes / weights
 
 
 def llama_bench(binary: Path, path: Path, prompt_len: int, gen_tokens: int, repeats: int, timeout_s: float = 600
@@ -403,7 +370,7 @@ def bench_shape(shape: str, args: ModelArgs, weight_types: Sequence[str], work_d
     records = bandwidth_records(bw)
     prompt = np.random.default_rng(seed).integers(1, args.vocab_size, size=prompt_len).tolist()
     for wt in weight_types:
-        model, bits_per_weight = random_shape_model(shape, args, wt, work_dir, seed)
+        model, bits_per_weight = random_gguf_model(shape, args, wt, work_dir, seed)
         step_bytes = decode_bytes(model, prompt_len + gen_tokens // 2)
         tps = _summarize(ours(model, prompt, gen_tokens, repeats, pipeline=True), prompt_len)["tokens_per_s"]
         base = {"experiment": "decode-shape", "model": shape, "weights": wt, "kv": str(model.norm.weight.dtype).split(".")[-1],
@@ -558,7 +525,7 @@ def bench_kernels(shape: str, args: ModelArgs, weight_types: Sequence[str], work
     (peer "llama.cpp"). quick: decode only, with launch_config's default launches (no sweep, no timing of
     candidates). Off MLX's CUDA backend: one "skipped" record, at once."""
     from ref_impl import kernels
-    from ref_impl.theory.roofline import matmul_shapes, shape_from_args
+    from ref_impl.theory.roofline import matmul_shapes
 
     say = progress or (lambda msg: None)
     if not kernels.on_cuda():
@@ -570,7 +537,7 @@ def bench_kernels(shape: str, args: ModelArgs, weight_types: Sequence[str], work
     bw = memory_bandwidth()
     records = bandwidth_records(bw)
     say(f"copy bandwidth {bw['copy']:.0f} GB/s")
-    shapes = sorted({(n, k) for k, n in matmul_shapes(shape_from_args(shape, args))})
+    shapes = sorted({(n, k) for k, n in matmul_shapes(args.shape(shape))})
     for fmt in (kernels.Format(4, 32), kernels.Format(16)) if not quick else ():
         sweep = kernels.gemv_sweep(shapes, [fmt], (1, 4), shape, seed=seed)
         records += sweep
@@ -597,7 +564,7 @@ def bench_kernels(shape: str, args: ModelArgs, weight_types: Sequence[str], work
             say(f"[{time.perf_counter() - t_start:.0f} s] llama-bench {wt}: " + ", ".join(
                 f"{r['metric']} {r['value']}" if r["value"] is not None else r["note"] for r in peer))
 
-        model, _ = random_shape_model(shape, args, wt, work_dir, seed, run_peer if llama_bench_binary else None)
+        model, _ = random_gguf_model(shape, args, wt, work_dir, seed, run_peer if llama_bench_binary else None)
         records += peer
         step_bytes = decode_bytes(model, prompt_len + gen_tokens // 2)
         base["kv"] = str(model.norm.weight.dtype).split(".")[-1]

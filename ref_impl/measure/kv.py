@@ -51,10 +51,13 @@ from ref_impl.engine import kvquant
 from ref_impl.engine.generate import Sampler, generate_step, prefill
 from ref_impl.engine.kvcache import KVCache
 from ref_impl.engine.model import Model, load
+from ref_impl.engine.random import args_for, random_model
 from ref_impl.engine.tokenizer import Tokenizer
 from ref_impl.measure.bench import _summarize, _time_tokens
-from ref_impl.measure.latency import _dtype_name, _record, random_model, shape_args
+from ref_impl.measure.latency import _dtype_name, _record
 from ref_impl.theory import roofline
+from ref_impl.theory.shapes import ModelShape
+from ref_impl.theory.shapes import shape as named_shape
 
 FLOAT = "float"   # the scheme name of the unquantized static cache (kvcache.KVCache)
 
@@ -198,16 +201,11 @@ def scheme_bytes(scheme: str, n_kv_heads: int, head_dim: int, dtype: mx.Dtype = 
 # https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json). Its mixture-of-experts MLP does not fit
 # roofline's dense ModelShape, so this shape serves KV arithmetic only: intermediate_size 0 makes any
 # weight count taken from it visibly wrong rather than plausibly wrong.
-QWEN3_30B_A3B = roofline.ModelShape("Qwen3-30B-A3B", 151936, 2048, 48, 0, 32, 4, 128, False,
-                                    "Qwen/Qwen3-30B-A3B, config.json: https://huggingface.co/Qwen/Qwen3-30B-A3B/"
-                                    "blob/main/config.json (KV heads and layers only; MoE MLP not modelled)",
-                                    qk_norm=True)
-KV_SHAPES = {**roofline.MODELS, QWEN3_30B_A3B.name: QWEN3_30B_A3B}   # every shape memory_table knows by name
 DEFAULT_SHAPES = ("Llama-3.1-8B", "Qwen3-4B", "Qwen3-8B", "Qwen3-32B", "Qwen3-30B-A3B")
 DEFAULT_CONTEXTS = (8192, 16384, 32768, 65536, 131072)
 
 
-def memory_table(shapes: Iterable[str | roofline.ModelShape] = DEFAULT_SHAPES,
+def memory_table(shapes: Iterable[str | ModelShape] = DEFAULT_SHAPES,
                  contexts: Sequence[int] = DEFAULT_CONTEXTS,
                  schemes: Sequence[str] = (FLOAT, *kvquant.CACHES),
                  dtype: mx.Dtype = mx.float16) -> list[dict]:
@@ -220,7 +218,7 @@ def memory_table(shapes: Iterable[str | roofline.ModelShape] = DEFAULT_SHAPES,
     bytes_per_token (per token over all layers at that context), vs_float (bytes / float bytes)."""
     rows = []
     for shape in shapes:
-        shape = KV_SHAPES[shape] if isinstance(shape, str) else shape
+        shape = named_shape(shape) if isinstance(shape, str) else shape
         cost = {s: scheme_bytes(s, shape.num_key_value_heads, shape.head_dim, dtype) for s in (FLOAT, *schemes)}
         for context in contexts:
             stored = roofline.attended_positions(shape, context)   # sum over layers of positions kept
@@ -469,10 +467,10 @@ def _fused_failure(scheme: str, args, dtype: mx.Dtype) -> str | None:
 
 def _speed_model(shape: str, path: Path, context: int) -> Model:
     """The GGUF model at path for "stdlib-10m" (its own weights; past its 512-token context only the speed
-    means anything), else a random-weight model of a public Llama shape (`latency.shape_args`)."""
+    means anything), else a random-weight model of a public Llama shape (`random.args_for`)."""
     if shape == path.stem:
         return load(path)[0]
-    return random_model(shape_args(shape, context))
+    return random_model(args_for(shape, context))
 
 
 def bench_kv(model_path: str | Path, plan: KVPlan | None = None, shapes: Sequence[str] | None = None,
@@ -492,7 +490,7 @@ def bench_kv(model_path: str | Path, plan: KVPlan | None = None, shapes: Sequenc
     shapes = tuple(shapes or plan.shapes)
     model, tokenizer = load(model_path)
     for shape in shapes:     # an unknown shape, or one a scheme cannot hold (e.g. groups of 64 in a head of 32),
-        a = model.args if shape == model_path.stem else shape_args(shape)         # fails before anything runs
+        a = model.args if shape == model_path.stem else args_for(shape)         # fails before anything runs
         for s, fused in plan.variants:
             try:
                 if s != FLOAT:

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -31,29 +31,11 @@ import numpy as np
 from ref_impl import ROOT
 from ref_impl.engine.generate import Sampler, generate_step, prefill
 from ref_impl.engine.kvcache import CACHES, KVCache, make_caches
-from ref_impl.engine.model import Model, ModelArgs, default_dtype, load
-from ref_impl.measure.bench import _summarize, _time_tokens, args_for, ours
+from ref_impl.engine.model import Model, default_dtype, load
+from ref_impl.engine.random import args_for, random_model
+from ref_impl.measure.bench import _summarize, _time_tokens, ours
 
-TINY = ModelArgs(vocab_size=1024, hidden_size=128, num_hidden_layers=4, intermediate_size=384,
-                 num_attention_heads=4, num_key_value_heads=2)
 MODES = ("sync", "async_eval", "layer_eval")
-
-
-def shape_args(name: str, context: int = 4096) -> ModelArgs:
-    """"tiny" (4 layers of width 128) or a public Llama shape (`bench.args_for`), with this context."""
-    if name == "tiny":
-        return replace(TINY, max_position_embeddings=context)
-    return args_for(name, context)
-
-
-def random_model(args: ModelArgs, dtype: mx.Dtype | None = None, seed: int = 0) -> Model:
-    """A Model of args' shape with MLX's default random initialisation, built on the device (no
-    file): decode speed does not depend on the values."""
-    mx.random.seed(seed)
-    model = Model(args)
-    model.set_dtype(dtype or default_dtype())
-    mx.eval(model.parameters())
-    return model
 
 
 def _prompt(model: Model, n: int, seed: int) -> list[int]:
@@ -505,7 +487,7 @@ def bench_dispatch(model_path: str | Path, shapes: Sequence[str] | None = None, 
     plan = plan or DispatchPlan.for_device(gpu)
     shapes = list(shapes) if shapes is not None else (["tiny", "Llama-3.2-1B", "Llama-3.1-8B"] if gpu else ["tiny"])
     for s in shapes:
-        shape_args(s)                                   # an unknown shape fails before anything runs
+        args_for(s)                                   # an unknown shape fails before anything runs
     say = progress or (lambda msg: None)
     model_path = Path(model_path)
     if not model_path.is_file():
@@ -555,7 +537,7 @@ def bench_dispatch(model_path: str | Path, shapes: Sequence[str] | None = None, 
                 _record(*base, "minor_faults", "faults", w.minor_faults, **extra),
                 _record(*base, "major_faults", "faults", w.major_faults, **extra)]
 
-    largest = max(shapes, key=lambda s: shape_args(s).num_parameters, default=None)
+    largest = max(shapes, key=lambda s: args_for(s).num_parameters, default=None)
     models = [(model_path.stem, None), *[(s, s) for s in shapes]]
     for name, shape in models:
         say(f"decode, kv-jitter{', ttft/itl' if shape in (None, largest) else ''}: {name}")
@@ -564,7 +546,7 @@ def bench_dispatch(model_path: str | Path, shapes: Sequence[str] | None = None, 
         else:
             context = max(plan.prompt_len + plan.kv_tokens + 1, max(plan.contexts) + plan.context_tokens,
                           plan.prompt_len + plan.decode_tokens)
-            model = random_model(shape_args(shape, context), seed=seed)
+            model = random_model(args_for(shape, context), seed=seed)
         rec += _model_records(name, model, plan, shape in (None, largest), seed)
         del model
         gc.collect()

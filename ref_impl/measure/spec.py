@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,11 +26,12 @@ import mlx.core as mx
 import numpy as np
 
 from ref_impl.engine.generate import Sampler
-from ref_impl.engine.model import Model, ModelArgs, default_dtype, load
+from ref_impl.engine.model import Model, default_dtype, load
+from ref_impl.engine.random import args_for, random_model
 from ref_impl.engine.speculative import Drafter, SpeculativeStep, speculative_decode, speculative_generate
 from ref_impl.engine.tokenizer import Tokenizer
 from ref_impl.measure.bench import _summarize, _time_tokens, forward_sweep, ours
-from ref_impl.measure.latency import _dtype_name, _record, random_model, shape_args
+from ref_impl.measure.latency import _dtype_name, _record
 from ref_impl.platform import blas
 from ref_impl.theory.speedup import expected_tokens, speedup
 
@@ -146,23 +147,6 @@ class AlphaDrafter(Drafter):
 # pair, which does not fit the bench's minutes there (float32 weights of 32 and 5 GB, each read once per
 # token); they share one vocabulary (32000), so each draft fits each target. random-34m is a draft with
 # Llama 3's vocabulary, two layers: a cheaper draft for the 8B shape than the 1B one.
-STAND_INS = {
-    "random-100m": ModelArgs(32000, 768, 8, 2048, 12, 4, tie_word_embeddings=False),
-    "random-22m": ModelArgs(32000, 384, 6, 1024, 6, 2),
-    "random-4m": ModelArgs(32000, 128, 2, 384, 4, 2),
-    "random-34m": ModelArgs(128256, 256, 2, 768, 4, 2),
-    "tiny-draft": ModelArgs(1024, 64, 2, 128, 4, 2),       # drafts for latency's "tiny" (--quick)
-}
-
-
-def pair_args(name: str, context: int) -> ModelArgs:
-    """ModelArgs of a random-weight model for the speed pairs: a STAND_INS name, "tiny" or a public
-    Llama shape (`latency.shape_args`), with this context length."""
-    if name in STAND_INS:
-        return replace(STAND_INS[name], max_position_embeddings=context)
-    return shape_args(name, context)
-
-
 @dataclass
 class SpecPlan:
     """Sizes for `bench_spec`; `for_device` picks them for a GPU, the CPU or a quick check."""
@@ -232,7 +216,7 @@ def bench_spec(target_path: str | Path, draft_path: str | Path, heads_path: str 
     plan = plan or SpecPlan.for_device(gpu)
     say = progress or (lambda msg: None)
     for t, d in plan.pairs:                                                 # a bad pair fails before anything runs
-        if pair_args(t, 64).vocab_size != pair_args(d, 64).vocab_size:
+        if args_for(t, 64).vocab_size != args_for(d, 64).vocab_size:
             raise ValueError(f"the random pair {t} / {d} has two vocabularies: a draft must share its target's")
     dtype = default_dtype()
     (target, tokenizer), (draft, _) = load(target_path, dtype), load(draft_path, dtype)
@@ -391,7 +375,7 @@ def _speed_records(plan: SpecPlan, target: Model, draft: Model, heads: MTPHeads 
     models, verifies = {}, {}
     for i, name in enumerate(dict.fromkeys(s for pair in plan.pairs for s in pair)):
         say(f"spec-forward: random {name}")
-        model = random_model(pair_args(name, ctx), seed=seed + i)
+        model = random_model(args_for(name, ctx), seed=seed + i)
         forward, verifies[name] = _forward_records(name, model, plan, offset)
         rec += forward
         models[name] = model

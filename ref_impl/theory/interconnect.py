@@ -28,6 +28,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ref_impl.theory import shapes
+
 GT_PER_LANE = {1: 2.5, 2: 5.0, 3: 8.0, 4: 16.0, 5: 32.0}   # GT/s, PCIe Base Specification per generation
 DLLP_BYTES = 8          # a DLLP is 6 bytes, plus a 2-byte SDP token (Gen3+) or SDP + END symbols (Gen1/2)
 DLLPS_PER_TLP = 0.5     # stated: one ACK or UpdateFC DLLP per two TLPs; 0 (all on the other lane) .. 2 (both per TLP)
@@ -391,14 +393,14 @@ VRAM_SIZES_GB = (8, 12, 16, 24)
 
 def streaming_grid(models: list[str], bits=(4, 8, 16), vram_sizes=VRAM_SIZES_GB, vram_gbs: float = 1008.0,
                    link_gbs: float = MEASURED["TB5 host-to-device"], reserve_gb: float = 1.0) -> list[dict]:
-    """Every (model of roofline.MODELS, bits, VRAM size) whose weights overflow VRAM: weight and
+    """Every (model of shapes.PUBLIC, bits, VRAM size) whose weights overflow VRAM: weight and
     overflow GB, tokens/s streamed (with and without overlap) and resident (if it all fit)."""
     from ref_impl.theory import roofline
 
     rows = []
     for name in models:
         for b in bits:
-            w = roofline.weight_bytes(roofline.MODELS[name], b) / 1e9
+            w = roofline.weight_bytes(shapes.PUBLIC[name], b) / 1e9
             for v in vram_sizes:
                 over = w - max(v - reserve_gb, 0.0)
                 if over > 0:

@@ -28,12 +28,10 @@ import os
 import platform
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:  # ref_impl.engine.model imports mlx; nothing here needs it at run time
-    from ref_impl.engine.model import ModelArgs
+from ref_impl.theory.shapes import ModelShape
 
 
 @dataclass(frozen=True)
@@ -114,57 +112,6 @@ def this_machine(seconds: float = 2.0, array_mb: int = 256, matmul_n: int = 2048
     return Hardware(f"this machine ({platform.machine()}, {os.cpu_count()} CPUs)", memory,
                     2 * src.nbytes / copy_s / 1e9, 2 * matmul_n**3 / matmul_s / 1e12,
                     f"float32 numpy matmul, n={matmul_n} (CPU)", "measured live on this machine")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the roofline needs of a decoder's config.json: matrix sizes, KV heads, attention span."""
-
-    name: str
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    intermediate_size: int             # gated MLP (SwiGLU/GeGLU): three d x f matrices
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    tie_word_embeddings: bool
-    source: str
-    sliding_window: int = 0            # 0: every layer attends to the whole context
-    global_every: int = 1              # with a window, one layer in this many is global (Gemma 3: 6)
-    norms_per_layer: int = 2           # RMSNorm weight vectors of width hidden_size (Gemma 3: 4)
-    qk_norm: bool = False              # a head_dim RMSNorm on queries and on keys (Qwen3, Gemma 3)
-
-    @property
-    def global_layers(self) -> int:
-        return self.num_hidden_layers // self.global_every if self.sliding_window else self.num_hidden_layers
-
-
-def _hf(repo: str) -> str:
-    return f"{repo}, config.json: https://huggingface.co/{repo}/blob/main/config.json"
-
-
-MODELS: dict[str, ModelShape] = {m.name: m for m in (
-    ModelShape("Llama-3.2-1B", 128256, 2048, 16, 8192, 32, 8, 64, True, _hf("meta-llama/Llama-3.2-1B")),
-    ModelShape("Llama-3.2-3B", 128256, 3072, 28, 8192, 24, 8, 128, True, _hf("meta-llama/Llama-3.2-3B")),
-    ModelShape("Llama-3.1-8B", 128256, 4096, 32, 14336, 32, 8, 128, False, _hf("meta-llama/Llama-3.1-8B")),
-    ModelShape("Qwen3-4B", 151936, 2560, 36, 9728, 32, 8, 128, True, _hf("Qwen/Qwen3-4B"), qk_norm=True),
-    ModelShape("Qwen3-8B", 151936, 4096, 36, 12288, 32, 8, 128, False, _hf("Qwen/Qwen3-8B"), qk_norm=True),
-    ModelShape("Qwen3-32B", 151936, 5120, 64, 25600, 64, 8, 128, False, _hf("Qwen/Qwen3-32B"), qk_norm=True),
-    # text_config only: the SigLIP vision tower (~0.4B) runs once per image, not per token.
-    # 16 heads x 256 = 4096 attention width, wider than hidden_size; layers 6, 12, ... 48 are global.
-    ModelShape("Gemma-3-12B", 262208, 3840, 48, 15360, 16, 8, 256, True,
-               _hf("google/gemma-3-12b-it") + " (text_config; keys it omits are transformers' "
-               "Gemma3TextConfig defaults: head_dim 256, vocab 262208, sliding_window_pattern 6)",
-               sliding_window=1024, global_every=6, norms_per_layer=4, qk_norm=True),
-)}
-
-
-def shape_from_args(name: str, args: ModelArgs) -> ModelShape:
-    """The roofline's view of one of our own models (a `ref_impl.engine.model.ModelArgs`)."""
-    return ModelShape(name, args.vocab_size, args.hidden_size, args.num_hidden_layers,
-                      args.intermediate_size, args.num_attention_heads, args.num_key_value_heads,
-                      args.head_dim, args.tie_word_embeddings, "ref_impl.engine.model.ModelArgs")
 
 
 def matmul_shapes(shape: ModelShape) -> list[tuple[int, int]]:

@@ -1,0 +1,128 @@
+"""Random-weight models: the public shapes, at full size, for measuring speed.
+
+Decode speed depends on a model's shape (bytes per token, kernels per layer), never on its weight
+values, so speed is measured on random weights in the real shapes of public models (theory/shapes.py).
+Two kinds: an MLX model initialised on the device (`random_model`, float weights, no file), and a
+GGUF file typed per tensor as llama.cpp would type it (`write_random_model`), so quantized formats,
+our loader and llama.cpp run on the very same bytes.
+
+See chapter: capstone
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ref_impl.engine import transcode
+from ref_impl.engine.model import Model, ModelArgs, default_dtype
+from ref_impl.formats import gguf, quantize
+from ref_impl.theory.shapes import shape
+
+
+def args_for(name: str, context: int = 4096) -> ModelArgs:
+    """ModelArgs of a named shape (public or stand-in, theory/shapes.py) attending to `context` positions."""
+    return ModelArgs.from_shape(shape(name), context)
+
+
+def random_model(args: ModelArgs, dtype: mx.Dtype | None = None, seed: int = 0) -> Model:
+    """A Model of args' shape with MLX's default random initialisation, built on the device (no
+    file): decode speed does not depend on the values."""
+    mx.random.seed(seed)
+    model = Model(args)
+    model.set_dtype(dtype or default_dtype())
+    mx.eval(model.parameters())
+    return model
+
+
+# fp16 fields of each block (byte offsets) and the largest scale that keeps weights plausible (|w| < ~1)
+_SCALE_FIELDS = {"Q4_0": ((0,), 0.1), "Q4_1": ((0, 2), 0.05), "Q5_0": ((0,), 0.05), "Q5_1": ((0, 2), 0.03),
+                 "Q8_0": ((0,), 0.008), "Q4_K": ((0, 2), 1e-3), "Q5_K": ((0, 2), 5e-4), "Q6_K": ((208,), 2e-4)}
+
+
+def _random_bytes(n: int, rng: np.random.Generator) -> np.ndarray:
+    """n random uint8, straight from the bit generator (~4x faster than rng.bytes)."""
+    return rng.bit_generator.random_raw(-(-n // 8)).view(np.uint8)[:n]
+
+
+def random_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random valid blocks (rows, row_bytes) of a quantized type: random codes and small finite fp16
+    scales, generated as bytes (no float quantization), so a multi-GB model takes seconds."""
+    values, nbytes = gguf.BLOCK[gguf.GGMLType[type_name]]
+    fields, d_max = _SCALE_FIELDS[type_name]
+    n_blocks = rows * cols // values
+    blocks = _random_bytes(n_blocks * nbytes, rng).reshape(n_blocks, nbytes)
+    # an fp16 in [d_max/8, d_max): biased exponent e or e+1, mantissa random -- a few integer ops
+    e = int(np.floor(np.log2(d_max))) + 15 - 2
+    for at in fields:
+        half = blocks[:, at:at + 2].copy().view("<u2")
+        half[:] = (half & 0x03FF) + np.uint16(e << 10) + (half & 0x0400)
+        blocks[:, at:at + 2] = half.view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def _random_f16(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random float16 (rows, cols) with |x| in [2^-7, 2^-5), sign random, made from raw bits."""
+    bits = _random_bytes(rows * cols * 2, rng).view("<u2").reshape(rows, cols)
+    return ((bits & 0x87FF) | 0x2000).view("<f2")
+
+
+def write_random_model(path: str | Path, args: ModelArgs, file_type: str = "Q4_K", seed: int = 0) -> Path:
+    """A llama GGUF of args' shape with random weights, typed per tensor as llama.cpp's quantizer
+    would type a `file_type` file (quantize.tensor_types: "Q4_K_M" mixes Q4_K and Q6_K; "Q4_K",
+    "Q8_0", "F16", ...), norms F32 -- for speed measurements, e.g. Llama-3.1-8B:
+    ModelArgs(128256, 4096, 32, 14336, 32, 8, tie_word_embeddings=False) (4.9 GB in Q4_K_M).
+    Blocks are random bytes with valid scales: nothing is quantized, so 5 GB take seconds. The file has no
+    tokenizer ("none"), so llama.cpp's llama-bench runs on the same file. Returns path."""
+    rng = np.random.default_rng(seed)
+    d, hd = args.hidden_size, args.head_dim
+    shapes = {"token_embd.weight": (args.vocab_size, d), "output_norm.weight": (d,)}
+    if not args.tie_word_embeddings:
+        shapes["output.weight"] = (args.vocab_size, d)
+    for i in range(args.num_hidden_layers):
+        p = f"blk.{i}."
+        shapes.update({p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,),
+                       p + "attn_q.weight": (args.num_attention_heads * hd, d),
+                       p + "attn_k.weight": (args.num_key_value_heads * hd, d),
+                       p + "attn_v.weight": (args.num_key_value_heads * hd, d),
+                       p + "attn_output.weight": (d, args.num_attention_heads * hd),
+                       p + "ffn_gate.weight": (args.intermediate_size, d),
+                       p + "ffn_up.weight": (args.intermediate_size, d),
+                       p + "ffn_down.weight": (d, args.intermediate_size)})
+    infos = {n: gguf.TensorInfo(n, gguf.GGMLType.F32, s, 0, 0) for n, s in shapes.items()}
+    tensors = {}
+    for name, t in quantize.tensor_types(infos, file_type).items():
+        shape = shapes[name]
+        if len(shape) == 1:
+            tensors[name] = np.ones(shape, np.float32)
+        elif t == "F32":
+            tensors[name] = _random_f16(*shape, rng).astype(np.float32)
+        elif t == "F16":
+            tensors[name] = _random_f16(*shape, rng)
+        else:
+            tensors[name] = gguf.TensorData(gguf.GGMLType[t], shape, random_blocks(t, *shape, rng))
+    # no tokenizer: llama.cpp then adds vocab_size dummy tokens, which is all llama-bench needs
+    gguf.write(path, {**args.gguf_metadata(), "tokenizer.ggml.model": "none"}, tensors)
+    return Path(path)
+
+
+def random_gguf_model(name: str, args: ModelArgs, weight_type: str, work_dir: Path, seed: int = 0,
+                      before_load: Callable[[Path], None] | None = None) -> tuple[Model, float]:
+    """A random-weight model of args' shape as llama.cpp would type a `weight_type` file, written to a GGUF
+    in work_dir and loaded with its quantized tensors kept quantized (transcode.load_model); and its
+    bits per weight. before_load(path) runs on the file first (a peer on the same file); the file is deleted
+    once loaded."""
+    path = write_random_model(work_dir / f"{name}-{weight_type}.gguf", args, weight_type, seed)
+    try:
+        if before_load is not None:
+            before_load(path)
+        with gguf.read(path) as f:
+            model = transcode.load_model(f, None)
+            weights = sum(int(np.prod(t.shape)) for t in f.tensors.values())
+            nbytes = sum(t.nbytes for t in f.tensors.values())
+    finally:
+        path.unlink()
+    return model, 8 * nbytes / weights

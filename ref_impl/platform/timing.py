@@ -1,0 +1,118 @@
+"""The one clock, and the statistics every measurement in the course reports.
+
+Every timing in ref_impl reads `clock` (time.perf_counter: monotonic, the finest resolution the OS
+gives) and is taken by one of three loops here: a fixed number of calls (`repeat`), as many calls as
+fit in a time budget (`within`), or the tokens of a generator as they arrive (`time_tokens`). The
+numbers a chapter quotes are medians of those samples (`median`, `summary`): robust to the one
+preempted run that a mean would carry. `best` (the minimum) is for the rare question "how fast can
+this go at all", such as a memory sweep whose noise only ever adds time; a caller that takes it says so.
+
+Work on a GPU or through MLX's lazy graph is only timed once it has finished: the timed function
+must evaluate what it computes (mx.eval, or a numpy result), or the clock stops at the enqueue.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+clock = time.perf_counter
+
+
+def repeat(fn: Callable[[], object], reps: int, warmup: int = 1) -> list[float]:
+    """Seconds of each of `reps` calls of fn, after `warmup` untimed calls (kernels compiled, pages touched)."""
+    if reps < 1:
+        raise ValueError(f"reps must be at least 1, got {reps}")
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        t0 = clock()
+        fn()
+        out.append(clock() - t0)
+    return out
+
+
+def within(fn: Callable[[], object], budget_s: float, min_reps: int = 3, max_reps: int = 1000,
+           warmup: int = 0) -> list[float]:
+    """Seconds of each call of fn: at least min_reps calls, then more while the budget lasts (max_reps at most)."""
+    for _ in range(warmup):
+        fn()
+    out, start = [], clock()
+    while len(out) < min_reps or (clock() - start < budget_s and len(out) < max_reps):
+        t0 = clock()
+        fn()
+        out.append(clock() - t0)
+    return out
+
+
+def calls_per_sample(fn: Callable[[], object], target_s: float) -> int:
+    """How many back-to-back calls of fn fill about target_s: a call far shorter than the clock's
+    resolution and its own overhead is timed in batches of this many, then divided."""
+    t0 = clock()
+    fn()
+    return max(1, int(target_s / max(clock() - t0, 1e-7)))
+
+
+def median(samples: Sequence[float]) -> float:
+    """The statistic the book reports: the middle sample (NaN for none)."""
+    return float(np.median(samples)) if len(samples) else math.nan
+
+
+def best(samples: Sequence[float]) -> float:
+    """The fastest sample: for questions about what the hardware can do at all (noise only adds time)."""
+    return float(np.min(samples)) if len(samples) else math.nan
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Median and spread of one set of timings, in the samples' unit."""
+    median: float
+    p10: float
+    p90: float
+    n: int
+
+
+def summary(samples: Sequence[float]) -> Summary:
+    """Median with the 10th and 90th percentiles, for a value and its error bar."""
+    if not len(samples):
+        return Summary(math.nan, math.nan, math.nan, 0)
+    p10, p50, p90 = np.percentile(samples, (10, 50, 90))
+    return Summary(float(p50), float(p10), float(p90), len(samples))
+
+
+@dataclass(frozen=True)
+class TokenRun:
+    """One timed generation: the clock before the first token was asked for, at each token, the ids."""
+    start: float
+    times: list[float]
+    ids: list[int]
+
+
+def time_tokens(tokens: Iterator, n: int) -> TokenRun:
+    """Pull n tokens from a started generator, stamping the clock as each arrives."""
+    start, times, ids = clock(), [], []
+    for _, token in zip(range(n), tokens):
+        times.append(clock())
+        ids.append(int(token))
+    return TokenRun(start, times, ids)
+
+
+def decode_metrics(runs: Sequence[TokenRun], prompt_len: int) -> dict[str, tuple[float, list[float]]]:
+    """metric -> (median over runs, per-run values) of repeated generations: time to first token,
+    prefill and decode throughput, and the inter-token latency's p50 and p99 over every gap of every run."""
+    ttft = [r.times[0] - r.start for r in runs]
+    gaps = [np.diff(r.times) for r in runs]
+    tps = [len(g) / g.sum() for g in gaps]
+    all_ms = np.concatenate(gaps) * 1e3
+    return {
+        "tokens_per_s": (median(tps), tps),
+        "ttft_ms": (median(ttft) * 1e3, [x * 1e3 for x in ttft]),
+        "prefill_tokens_per_s": (prompt_len / median(ttft), [prompt_len / x for x in ttft]),
+        "itl_p50_ms": (float(np.percentile(all_ms, 50)), []),
+        "itl_p99_ms": (float(np.percentile(all_ms, 99)), []),
+    }

@@ -1,0 +1,96 @@
+"""The one table of model shapes: public models as their config.json gives them, and our stand-ins.
+
+A shape is what speed depends on: matrix sizes, heads, layers, vocabulary; never the weight values.
+So large-model behaviour (bytes per token, KV memory at 64k context, decode speed) is computed from
+the public shapes in `PUBLIC`, and measured with random weights in them (engine/random.py). The
+stand-ins in `STAND_INS` are small shapes of the same architecture, for quick runs on a CPU and
+for the models this course trains and ships.
+
+See chapter: intro
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the roofline needs of a decoder's config.json: matrix sizes, KV heads, attention span."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int             # gated MLP (SwiGLU/GeGLU): three d x f matrices
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    tie_word_embeddings: bool
+    source: str
+    sliding_window: int = 0            # 0: every layer attends to the whole context
+    global_every: int = 1              # with a window, one layer in this many is global (Gemma 3: 6)
+    norms_per_layer: int = 2           # RMSNorm weight vectors of width hidden_size (Gemma 3: 4)
+    qk_norm: bool = False              # a head_dim RMSNorm on queries and on keys (Qwen3, Gemma 3)
+
+    @property
+    def global_layers(self) -> int:
+        return self.num_hidden_layers // self.global_every if self.sliding_window else self.num_hidden_layers
+
+    @property
+    def is_llama(self) -> bool:
+        """Whether the course's decoder (engine/model.py, the Llama architecture) can build this shape."""
+        return not (self.qk_norm or self.sliding_window or self.norms_per_layer != 2 or self.intermediate_size == 0)
+
+
+def _hf(repo: str) -> str:
+    return f"{repo}, config.json: https://huggingface.co/{repo}/blob/main/config.json"
+
+
+PUBLIC: dict[str, ModelShape] = {m.name: m for m in (
+    ModelShape("Llama-3.2-1B", 128256, 2048, 16, 8192, 32, 8, 64, True, _hf("meta-llama/Llama-3.2-1B")),
+    ModelShape("Llama-3.2-3B", 128256, 3072, 28, 8192, 24, 8, 128, True, _hf("meta-llama/Llama-3.2-3B")),
+    ModelShape("Llama-3.1-8B", 128256, 4096, 32, 14336, 32, 8, 128, False, _hf("meta-llama/Llama-3.1-8B")),
+    ModelShape("Llama-3.1-70B", 128256, 8192, 80, 28672, 64, 8, 128, False, _hf("meta-llama/Llama-3.1-70B")),
+    ModelShape("Llama-3.1-405B", 128256, 16384, 126, 53248, 128, 8, 128, False, _hf("meta-llama/Llama-3.1-405B")),
+    ModelShape("Qwen3-4B", 151936, 2560, 36, 9728, 32, 8, 128, True, _hf("Qwen/Qwen3-4B"), qk_norm=True),
+    ModelShape("Qwen3-8B", 151936, 4096, 36, 12288, 32, 8, 128, False, _hf("Qwen/Qwen3-8B"), qk_norm=True),
+    ModelShape("Qwen3-14B", 151936, 5120, 40, 17408, 40, 8, 128, False, _hf("Qwen/Qwen3-14B"), qk_norm=True),
+    ModelShape("Qwen3-32B", 151936, 5120, 64, 25600, 64, 8, 128, False, _hf("Qwen/Qwen3-32B"), qk_norm=True),
+    # KV heads and layers only: the mixture-of-experts MLP is not modelled (intermediate_size 0)
+    ModelShape("Qwen3-30B-A3B", 151936, 2048, 48, 0, 32, 4, 128, False,
+               _hf("Qwen/Qwen3-30B-A3B") + " (KV heads and layers only; MoE MLP not modelled)", qk_norm=True),
+    # text_config only: the SigLIP vision tower (~0.4B) runs once per image, not per token.
+    # 16 heads x 256 = 4096 attention width, wider than hidden_size; layers 6, 12, ... 48 are global.
+    ModelShape("Gemma-3-12B", 262208, 3840, 48, 15360, 16, 8, 256, True,
+               _hf("google/gemma-3-12b-it") + " (text_config; keys it omits are transformers' "
+               "Gemma3TextConfig defaults: head_dim 256, vocab 262208, sliding_window_pattern 6)",
+               sliding_window=1024, global_every=6, norms_per_layer=4, qk_norm=True),
+)}
+
+
+def _ours(name: str, vocab: int, d: int, layers: int, f: int, heads: int, kv_heads: int, tied: bool = True,
+          source: str = "a stand-in of the course") -> ModelShape:
+    return ModelShape(name, vocab, d, layers, f, heads, kv_heads, d // heads, tied, source)
+
+
+_SHIPPED = "trained by the course (python -m ref_impl train --preset {}), shipped in models/"
+STAND_INS: dict[str, ModelShape] = {m.name: m for m in (
+    _ours("stdlib-10m", 4096, 384, 6, 1024, 6, 2, source=_SHIPPED.format("stdlib-10m")),
+    _ours("stdlib-draft-1m", 4096, 128, 4, 384, 4, 2, source=_SHIPPED.format("stdlib-draft-1m")),
+    _ours("micro", 384, 64, 2, 128, 4, 2, source="trained in seconds by the tests (--preset micro)"),
+    _ours("tiny", 1024, 128, 4, 384, 4, 2, source="random weights: latency and KV runs on a CPU (--quick)"),
+    _ours("tiny-draft", 1024, 64, 2, 128, 4, 2, source="random weights: drafts for tiny (--quick)"),
+    _ours("random-4m", 32000, 128, 2, 384, 4, 2, source="random weights: a speculative-decoding draft"),
+    _ours("random-22m", 32000, 384, 6, 1024, 6, 2, source="random weights: a speculative-decoding draft"),
+    _ours("random-34m", 128256, 256, 2, 768, 4, 2, source="random weights: a draft in Llama 3's vocabulary"),
+    _ours("random-100m", 32000, 768, 8, 2048, 12, 4, tied=False, source="random weights: a speculative target"),
+)}
+
+
+def shape(name: str) -> ModelShape:
+    """The shape of that name, public or stand-in; a clear error listing the names otherwise."""
+    found = PUBLIC.get(name) or STAND_INS.get(name)
+    if found is None:
+        raise ValueError(f"no model shape {name!r}; public: {', '.join(PUBLIC)}; stand-ins: {', '.join(STAND_INS)}")
+    return found
