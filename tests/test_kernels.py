@@ -24,7 +24,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 import traceback
 from pathlib import Path
 
@@ -36,12 +35,13 @@ import mlx.nn as nn
 import numpy as np
 
 from ref_impl import MODELS_DIR, kernels
+from ref_impl.engine.checkpoint import load
 from ref_impl.engine.generate import Sampler, generate_step
-from ref_impl.engine.model import load
 from ref_impl.engine.random import args_for, random_model
-from ref_impl.kernels import cuda
-from ref_impl.measure import bench
-from ref_impl.measure.bench import bench_kernels
+from ref_impl.kernels import cuda, layers
+from ref_impl.measure import kernels as suite
+from ref_impl.measure.kernels import bench_kernels
+from ref_impl.platform.timing import clock
 from ref_impl.theory.roofline import matmul_shapes
 from ref_impl.theory.shapes import PUBLIC
 
@@ -197,32 +197,34 @@ def test_kernel_calls_check_inputs_then_need_cuda():
     s, b = s.astype(mx.float16), b.astype(mx.float16)
     x = mx.zeros((1, 256), dtype=mx.float16)
     with raises(ValueError, "activation dtype"):
-        kernels.affine_gemv(x.astype(mx.float32), w, s, b, 32, 4)
+        kernels.gemv(x.astype(mx.float32), [(w, s, b)], Q4)
+    with raises(ValueError, "activation dtype"):
+        kernels.gemv(x.astype(mx.bfloat16), [(w, s, b)], Q4)                  # not the weights' dtype
     with raises(ValueError, "features"):
-        kernels.affine_gemv(mx.zeros((1, 128), dtype=mx.float16), w, s, b, 32, 4)
+        kernels.gemv(mx.zeros((1, 128), dtype=mx.float16), [(w, s, b)], Q4)
     with raises(ValueError, "scales must be"):
-        kernels.affine_gemv(x, w, s[:, :4], b, 32, 4)
+        kernels.gemv(x, [(w, s[:, :4], b)], Q4)
     with raises(ValueError, "biases must be"):
-        kernels.affine_gemv(x, w, s, b.astype(mx.bfloat16), 32, 4)
+        kernels.gemv(x, [(w, s, b.astype(mx.bfloat16))], Q4)
     with raises(ValueError, "uint32"):
-        kernels.affine_gemv(x, w.astype(mx.int32), s, b, 32, 4)
+        kernels.gemv(x, [(w.astype(mx.int32), s, b)], Q4)
     with raises(ValueError, "rows=10"):
-        kernels.affine_gemv(mx.zeros((10, 256), dtype=mx.float16), w, s, b, 32, 4)
-    with raises(ValueError, "group size 16"):
-        kernels.affine_gemv(x, w, s, b, 16, 4)
+        kernels.gemv(mx.zeros((10, 256), dtype=mx.float16), [(w, s, b)], Q4)
+    with raises(ValueError, "scales must be"):
+        kernels.gemv(x, [(w, s, b)], kernels.Format(4, 64))                  # groups of 32 read as 64
     with raises(ValueError, "used for"):
-        kernels.affine_gemv(x, w, s, b, 32, 4, kernels.launch_config(Q4, 64, 256, 2))
+        kernels.gemv(x, [(w, s, b)], Q4, "", kernels.launch_config(Q4, 64, 256, 2))
     with raises(ValueError, "float16 matrix"):
-        kernels.dense_gemv(x, mx.zeros((64, 256)))
+        kernels.gemv(x, [(mx.zeros((64, 256)),)], F16)
     with raises(ValueError, "takes 2 matrices"):
         kernels.gemv(x, [(w, s, b)], Q4, "glu")
     with raises(ValueError, "must agree"):
         kernels.gemv(x, [(w, s, b), (w[:32], s[:32], b[:32])], Q4, "glu")
     if not CUDA:
         with raises(RuntimeError, "CUDA backend"):
-            kernels.affine_gemv(x, w, s, b, 32, 4)
+            kernels.gemv(x, [(w, s, b)], Q4)
         with raises(RuntimeError, "CUDA backend"):
-            kernels.dense_gemv(x, mx.zeros((64, 256), dtype=mx.float16))
+            kernels.gemv(x, [(mx.zeros((64, 256), dtype=mx.float16),)], F16)
 
 
 # --- what the CUDA source relies on --------------------------------------------------------------------
@@ -334,7 +336,7 @@ def test_patched_model_falls_back_on_cpu_with_identical_outputs():
 
 
 class StandIn:
-    """kernels._runner for the CPU: each launch computed with MLX's built-ins, calls counted per fuse."""
+    """kernels.runner for the CPU: each launch computed with MLX's built-ins, calls counted per fuse."""
 
     def __init__(self):
         self.calls = {"": 0, "glu": 0, "qkv": 0}
@@ -355,13 +357,28 @@ class StandIn:
         return run
 
 
+@contextlib.contextmanager
+def stand_in_kernels():
+    """Our kernels stood in for by MLX's matmuls (a StandIn, yielded: its call counts) on any backend: the
+    layers' `runner` swapped, and `on_cuda` answering True in every ref_impl module that holds it."""
+    stand_in, real = StandIn(), kernels.on_cuda
+    swaps = [(layers, "runner", stand_in)] + [
+        (m, "on_cuda", lambda: True) for name, m in list(sys.modules.items())
+        if name.split(".")[0] == "ref_impl" and getattr(m, "on_cuda", None) is real]
+    saved = [(m, attr, getattr(m, attr)) for m, attr, _ in swaps]
+    for m, attr, new in swaps:
+        setattr(m, attr, new)
+    try:
+        yield stand_in
+    finally:
+        for m, attr, old in saved:
+            setattr(m, attr, old)
+
+
 def test_routing_through_stand_in_kernels():
     """patch's calls go where its choices say: one fused q/k/v and one fused gate/up call per layer and row
     count chosen, the other GEMVs through their own runs, everything else MLX's; enable switches them."""
-    stand_in = StandIn()
-    saved = kernels._runner, kernels.on_cuda
-    kernels._runner, kernels.on_cuda = stand_in, (lambda: True)
-    try:
+    with stand_in_kernels() as stand_in:
         ref, _ = load(SHIPPED, mx.float16)
         model, _ = load(SHIPPED, mx.float16)
         choices = kernels.patch(model, rows=(1, 4), measure=False, fuse=True)
@@ -384,16 +401,19 @@ def test_routing_through_stand_in_kernels():
         kernels.enable(model, gemv=False, fused=False)
         model(mx.array([[6]]), cache_b)
         assert stand_in.calls["qkv"] == 2 * layers and stand_in.calls[""] == 11 * layers
-        # a k projection called on another array than its q's computes its own result
+        # the attention's qkv is one fused call giving all three; a projection called alone runs by itself
         kernels.enable(model, gemv=True, fused=True)
-        attn = model.layers[0].self_attn
+        attn, want = model.layers[0].self_attn, ref.layers[0].self_attn
+        assert isinstance(attn.qkv, kernels.FusedQKV) and not isinstance(want.qkv, kernels.FusedQKV)
         x, x2 = mx.ones((1, 1, 384), mx.float16), mx.full((1, 1, 384), 2.0, mx.float16)
-        q = attn.q_proj(x)
-        assert mx.array_equal(attn.k_proj(x), ref.layers[0].self_attn.k_proj(x)).item()
-        assert mx.array_equal(attn.k_proj(x2), ref.layers[0].self_attn.k_proj(x2)).item()
-        assert mx.array_equal(q, ref.layers[0].self_attn.q_proj(x)).item()
-    finally:
-        kernels._runner, kernels.on_cuda = saved
+        fused, single = stand_in.calls["qkv"], stand_in.calls[""]
+        for got, ref_y in zip(attn.qkv(x), want.qkv(x)):
+            assert mx.array_equal(got, ref_y).item()
+        assert (stand_in.calls["qkv"], stand_in.calls[""]) == (fused + 1, single)
+        assert mx.array_equal(attn.k_proj(x2), want.k_proj(x2)).item()
+        assert (stand_in.calls["qkv"], stand_in.calls[""]) == (fused + 1, single + 1)
+        attn.qkv(mx.ones((1, 2, 384), mx.float16))                       # 2 rows: no choice, MLX's built-ins
+        assert (stand_in.calls["qkv"], stand_in.calls[""]) == (fused + 1, single + 1)
 
 
 def test_summary_names_every_choice_and_counts_ours():
@@ -433,7 +453,7 @@ def test_bench_kernels_off_cuda_is_one_skipped_record(tmp_path, monkeypatch):
     def measured(*_):
         raise AssertionError("off CUDA, bench --kernels measures nothing")
 
-    monkeypatch.setattr(bench, "memory_bandwidth", measured)
+    monkeypatch.setattr(suite, "memory_bandwidth", measured)
     records = bench_kernels("Llama-3.1-8B", args_for("Llama-3.1-8B"), ["Q4_K"], tmp_path)
     assert len(records) == 1 and not any(tmp_path.iterdir())
     assert records[0]["metric"] == "skipped" and "needs MLX's CUDA backend" in records[0]["note"]
@@ -445,20 +465,16 @@ def test_bench_kernels_quick_flow_with_stand_in_kernels(tmp_path):
     from ref_impl.engine.model import ModelArgs
 
     cuda = compile_adds_primitives()   # (stand-ins are several primitives each: not counted)
-    saved = kernels._runner, kernels.on_cuda
-    kernels._runner, kernels.on_cuda = StandIn(), (lambda: True)
-    try:
+    with stand_in_kernels():
         args = ModelArgs(512, 256, 2, 512, 4, 2, tie_word_embeddings=False)
         records = bench_kernels("tiny", args, ["Q4_K_M"], tmp_path, prompt_len=8, gen_tokens=8, repeats=1,
                                 quick=True)
-    finally:
-        kernels._runner, kernels.on_cuda = saved
     speed = {r["variant"]: r["value"] for r in records if r["metric"] == "tokens_per_s"}
-    assert set(speed) == set(bench.DECODE_VARIANTS) and all(v > 0 for v in speed.values())
+    assert set(speed) == set(suite.DECODE_VARIANTS) and all(v > 0 for v in speed.values())
     agree = {r["variant"]: r["value"] for r in records if r["metric"] == "greedy_agreement"}
-    assert agree == {v: 1.0 for v in bench.DECODE_VARIANTS[1:]}
+    assert agree == {v: 1.0 for v in suite.DECODE_VARIANTS[1:]}
     parts = {(r["variant"], r["part"]) for r in records if r["experiment"] == "decode-breakdown"}
-    assert {(v, "host_build") for v in bench.DECODE_VARIANTS} <= parts
+    assert {(v, "host_build") for v in suite.DECODE_VARIANTS} <= parts
     count = {r["variant"]: r["value"] for r in records if r["metric"] == "kernels_per_token"}
     assert (count["native+compiled"] > count["native"] if cuda else count["native+compiled"] < count["native"]), count
     assert not [r for r in records if r["experiment"] == "gemv"]          # quick: no per-matrix sweep
@@ -554,10 +570,10 @@ def check(fmt: kernels.Format, n: int, k: int, rows: int, launch: kernels.Launch
         mats = views
     mx.eval(x, *[a for m in mats for a in m])
     la = launch or kernels.launch_config(fmt, sum(sizes) if fuse == "qkv" else n, k, rows, fuse=fuse, parts=parts)
-    t0 = time.perf_counter()
+    t0 = clock()
     ys = kernels.gemv(x, mats, fmt, fuse, la)
     mx.eval(ys)
-    first_ms = (time.perf_counter() - t0) * 1e3
+    first_ms = (clock() - t0) * 1e3
     if x_offset or w_offset:     # references from aligned copies (ours ran on the views)
         x_ref, refs = aligned_copy(x_ref), [tuple(aligned_copy(a) for a in m) for m in refs]
     outs = []                    # (what, got, ref, tol, the built-in's result or None)
@@ -723,21 +739,21 @@ def main(only: str | None = None) -> int:
             counts["skipped"] += not only
             continue
         print(f"{name} ...", flush=True)
-        t0 = time.perf_counter()
+        t0 = clock()
         if getattr(test, "isolated", False) and not only:
             rc = subprocess.run([sys.executable, __file__, "--only", name]).returncode
             counts["passed" if rc == 0 else "failed"] += 1
-            print(f"{name} {'passed' if rc == 0 else f'FAILED (child exit {rc})'} in {time.perf_counter() - t0:.1f} s",
+            print(f"{name} {'passed' if rc == 0 else f'FAILED (child exit {rc})'} in {clock() - t0:.1f} s",
                   flush=True)
             continue
         try:
             with tempfile.TemporaryDirectory() as d:
                 test(*([Path(d)] if "tmp_path" in inspect.signature(test).parameters else []))
             counts["passed"] += 1
-            print(f"{name} passed in {time.perf_counter() - t0:.1f} s", flush=True)
+            print(f"{name} passed in {clock() - t0:.1f} s", flush=True)
         except Exception:     # noqa: BLE001 -- report every failure and go on to the next test
             counts["failed"] += 1
-            print(f"{name} FAILED in {time.perf_counter() - t0:.1f} s\n{traceback.format_exc()}", flush=True)
+            print(f"{name} FAILED in {clock() - t0:.1f} s\n{traceback.format_exc()}", flush=True)
     print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
     return 1 if counts["failed"] else 0
 

@@ -1,7 +1,7 @@
-"""The CUDA C++ source of kernels.py's GEMVs, as MLX's `mx.fast.cuda_kernel` takes it: a header of device
+"""The CUDA C++ source of the GEMV kernels, as MLX's `mx.fast.cuda_kernel` takes it: a header of device
 functions (namespace ref_gemv) and, per kernel, a body that MLX wraps in a signature of its input and output
-names and template constants. kernels.py says what the kernels do and how they are launched; this module is
-the text they are compiled from (NVRTC, at first use), with the names and bodies it needs.
+names and template constants. launch.py says what the kernels do and how they are launched, layers.py calls
+them; this module is the text they are compiled from (NVRTC, at first use), with the names and bodies it needs.
 
 See chapter: dispatch-kernel
 """
