@@ -8,9 +8,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ref_impl.engine.generate import Sampler, generate, generate_step
-from ref_impl.engine.kvcache import KVCache
-from ref_impl.engine.model import load, load_model
+from ref_impl.engine.checkpoint import load, load_model
+from ref_impl.engine.generate import Sampler, compiled_decoder, generate, generate_step
+from ref_impl.engine.kvcache import ConcatKVCache, KVCache, StepCache
 from ref_impl.formats import gguf
 
 
@@ -56,9 +56,6 @@ def test_compiled_decode_equals_uncompiled(shipped, random_model):
 
 
 def test_compiled_decoder_checks_its_cache(random_model):
-    from ref_impl.engine.generate import compiled_decoder
-    from ref_impl.engine.kvcache import ConcatKVCache, StepCache
-
     with pytest.raises(ValueError, match="pre-allocated float KVCache"):
         compiled_decoder(random_model, [ConcatKVCache(1, 2, 8, 4)])
     cache = random_model.make_cache(3)

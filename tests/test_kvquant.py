@@ -11,9 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ref_impl.engine import kvquant
+from ref_impl.engine.checkpoint import load
 from ref_impl.engine.generate import Sampler, generate_step
-from ref_impl.engine.kvcache import KVCache
-from ref_impl.engine.model import load
+from ref_impl.engine.kvcache import CACHES as FLOAT_CACHES
+from ref_impl.engine.kvcache import Cache, ChunkedKVCache, ConcatKVCache, KVCache
 
 KINDS = list(kvquant.CACHES)
 B, H, D = 1, 2, 64
@@ -165,7 +166,7 @@ def test_fused_attention_equals_dequantized(kind, n_heads):
     k, v = random_kv(11, 120, 2.0, outlier_gain=6.0)
     q = np.random.default_rng(12).standard_normal((B, n_heads, 120, D)).astype(np.float32)
     plain, fused = kvquant.CACHES[kind](B, H, D, 128), kvquant.CACHES[kind](B, H, D, 128, fused=True)
-    assert fused.fused and not plain.fused
+    assert fused.attends == "fused" and plain.attends == "dense"
     steps = [(0, 40, "causal"), (40, 1, None), (41, 30, "bool"), (71, 1, None), (72, 24, "additive"),
              (96, 20, "causal"), (116, 1, None), (117, 1, None)]
     s = D ** -0.5
@@ -307,7 +308,52 @@ def test_errors_match_kvcache(kind):
 def test_make_caches():
     caches = kvquant.make_caches("kivi2", 3, 1, 2, 64, 64, window=64)
     assert len(caches) == 3 and caches[0].bits == 2 and caches[0].window == 64
-    with pytest.raises(ValueError, match="unknown quantized cache kind 'int3'"):
+    with pytest.raises(ValueError, match="unknown cache kind 'int3'"):
         kvquant.make_caches("int3", 1, 1, 2, 64, 8)
     with pytest.raises(ValueError, match="mx.quantize needs"):
         kvquant.AffineKVCache(1, 2, 48, 8, group=32)
+
+
+def test_one_builder_for_every_scheme():
+    """make_caches builds the float caches too: "float" and "static" are the pre-allocated KVCache, and
+    every cache, float or quantized, is a sibling under kvcache.Cache (none subclasses another)."""
+    assert set(kvquant.SCHEMES) == {kvquant.FLOAT, *FLOAT_CACHES, *KINDS}
+    for scheme in kvquant.SCHEMES:
+        c = kvquant.make_caches(scheme, 1, 1, 2, 64, 16, mx.float16)[0]
+        assert type(c).__bases__ == (Cache,) and c.attends == "dense" and c.dtype == mx.float16
+    assert type(kvquant.make_caches("static", 1, 1, 2, 64, 8)[0]) is KVCache
+    assert [type(c) for c in kvquant.make_caches(kvquant.FLOAT, 2, 1, 2, 64, 8)] == [KVCache, KVCache]
+    assert kvquant.make_caches("chunked", 1, 1, 2, 64, 600, step=64)[0].step == 64
+    assert isinstance(kvquant.make_caches("concat", 1, 1, 2, 64, 8)[0], ConcatKVCache)
+    assert isinstance(kvquant.make_caches("chunked", 1, 1, 2, 64, 8)[0], ChunkedKVCache)
+    with pytest.raises(ValueError, match="takes no parameters"):
+        kvquant.make_caches(kvquant.FLOAT, 1, 1, 2, 64, 8, fused=True)
+    with pytest.raises(ValueError, match="chunked has no fused attention path"):
+        kvquant.make_caches("chunked", 1, 1, 2, 64, 8, fused=True)
+
+
+def test_attention_follows_the_attends_field(shipped):
+    """Model.make_cache builds any scheme; a fused cache gives the logits of the same scheme dequantized."""
+    model, tok = shipped
+    tokens = mx.array([tok.encode("import os\n\ndef main():", bos=True)])
+    plain, fused = model.make_cache(32, 1, "affine8-g64"), model.make_cache(32, 1, "affine8-g64", fused=True)
+    assert {c.attends for c in plain} == {"dense"} and {c.attends for c in fused} == {"fused"}
+    np.testing.assert_allclose(np.array(model(tokens, fused)), np.array(model(tokens, plain)), rtol=1e-4, atol=1e-4)
+
+
+def test_scheme_bytes_read_off_real_caches():
+    """Bytes per token and fixed bytes of one layer, from nbytes at two sizes: the hand formula."""
+    for kind in KINDS:
+        assert kvquant.scheme_bytes(kind, H, D, mx.float16) == (bytes_per_token(kind, H, D, 2),
+                                                                 fixed_bytes(kind, H, D, 2))
+    assert kvquant.scheme_bytes(kvquant.FLOAT, 8, 128) == (2 * 8 * 128 * 2, 0)    # K and V, float16
+
+
+def test_outlier_indices():
+    """Channels above factor times the median channel's magnitude, counted per layer over all heads."""
+    m = np.array([1.0, 1.2, 0.9, 9.0, 1.1, 5.0])
+    assert kvquant.outlier_indices(m, 4.0).tolist() == [3, 5] and kvquant.outlier_indices(m, 7.0).tolist() == [3]
+    with pytest.raises(ValueError, match="one magnitude per channel"):
+        kvquant.outlier_indices(np.ones((2, 3)), 4.0)
+    mags = {"keys_pre_rope": {"mean": np.stack([m.reshape(2, 3), np.ones((2, 3))])}}
+    assert kvquant.outlier_channels(mags, 4.0) == [2, 0]

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from ref_impl.engine.kvcache import KVCache, StepCache
+from ref_impl.engine.kvcache import Cache, KVCache, StepCache
 from ref_impl.engine.model import Model
 from ref_impl.engine.tokenizer import Tokenizer
 
@@ -83,12 +83,12 @@ class Sampler:
         return mx.take_along_axis(mx.softmax(ranked, axis=-1), mx.argsort(order, axis=-1), axis=-1)  # vocab order
 
 
-def prefill(model: Model, tokens: mx.array, cache: list[KVCache]) -> mx.array:
+def prefill(model: Model, tokens: mx.array, cache: list[Cache]) -> mx.array:
     """Run the prompt (B, L) through the model, filling the cache; return the last logits (B, V)."""
     return model(tokens, cache)[:, -1, :]
 
 
-def decode_one_token(model: Model, token: mx.array, cache: list[KVCache]) -> mx.array:
+def decode_one_token(model: Model, token: mx.array, cache: list[Cache]) -> mx.array:
     """One decode step: token (B,) -> logits (B, V) for the next position."""
     return model(token[:, None], cache)[:, -1, :]
 
@@ -120,12 +120,12 @@ def compiled_decoder(model: Model, cache: list[KVCache]) -> Callable[[mx.array],
     return decode
 
 
-def decoder(model: Model, cache: list[KVCache], compiled: bool = False) -> Callable[[mx.array], mx.array]:
+def decoder(model: Model, cache: list[Cache], compiled: bool = False) -> Callable[[mx.array], mx.array]:
     """The decode step for `cache`, token (B,) -> logits (B, V): decode_one_token, or compiled_decoder."""
     return compiled_decoder(model, cache) if compiled else lambda t: decode_one_token(model, t, cache)
 
 
-def generate_step(model: Model, prompt: list[int], sampler: Sampler, cache: list[KVCache],
+def generate_step(model: Model, prompt: list[int], sampler: Sampler, cache: list[Cache],
                   pipeline: bool = False, compiled: bool = False) -> Iterator[int]:
     """Yield token ids one at a time, forever; the caller stops it. compiled: decode through
     compiled_decoder (the prompt itself runs uncompiled)."""

@@ -1,17 +1,27 @@
 """The key/value cache: what a decoder remembers between tokens.
 
 Attention at step t needs the keys and values of every earlier position. Recomputing
-them would make each token cost a full forward over the prefix, so they are kept. This
-cache is *static*: its buffers are allocated once, for the longest sequence the caller
-asks for, and each step writes its new keys and values into the next free slots. No
-step allocates, grows or copies the history (the dispatch chapter measures why that
-matters for inter-token jitter). Two growing caches with the same interface are here to be
-measured against it: `ConcatKVCache` concatenates every step's keys onto the history (a new
-buffer and a full copy per token), and `ChunkedKVCache` grows in chunks of `step` positions, as
-mlx-lm's `KVCache` does (one allocation and copy every `step` tokens). `CACHES` names all three.
-Quantized variants arrive with the KV-cache chapter.
+them would make each token cost a full forward over the prefix, so they are kept.
 
-Shapes: keys and values are (B, n_kv_heads, max_size, head_dim); `offset` is how many
+`Cache` is the interface every cache has, here and in kvquant.py: `update_and_fetch` (store
+a forward's keys and values, return the whole history), `trim` (forget the newest positions),
+`state` (the filled part), `nbytes`, and `attends`, which tells `model.Attention` how to read it:
+
+* "dense": Attention runs `mx.fast.scaled_dot_product_attention` on what `update_and_fetch`
+  returns (the float caches here, and the quantized ones when they dequantize);
+* "fused": Attention hands q, k, v to the cache's own `attend(q, k, v, scale, mask)`, which
+  stores k, v and attends in one (kvquant's attention on packed codes, `StepCache` below).
+
+`KVCache` is the *static* cache: its buffers are allocated once, for the longest sequence the
+caller asks for, and each step writes its new keys and values into the next free slots. No
+step allocates, grows or copies the history (the dispatch chapter measures why that matters
+for inter-token jitter). Two growing caches with the same interface are here to be measured
+against it: `ConcatKVCache` concatenates every step's keys onto the history (a new buffer and
+a full copy per token), and `ChunkedKVCache` grows in chunks of `step` positions, as mlx-lm's
+`KVCache` does (one allocation and copy every `step` tokens). `CACHES` names all three; the one
+builder of every cache, float or quantized, is `kvquant.make_caches`.
+
+Shapes: keys and values are (B, n_kv_heads, positions, head_dim); `offset` is how many
 positions are filled.
 
 See chapter: kv-cache
@@ -22,28 +32,27 @@ from __future__ import annotations
 import mlx.core as mx
 
 
-class KVCache:
-    """A pre-allocated float key/value cache for one attention layer."""
+class Cache:
+    """One attention layer's key/value cache: the interface (see the module docstring) and the
+    bookkeeping every cache shares: its sizes, dtype and `offset`, the shape and room check
+    (`reserve`), and `trim`."""
 
-    preallocate = True   # the growing caches below start empty instead
+    attends = "dense"   # or "fused": Attention calls `attend` instead of `update_and_fetch`
 
-    def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_size: int,
-                 dtype: mx.Dtype = mx.float32):
+    def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_size: int, dtype: mx.Dtype = mx.float32):
         if min(batch, n_kv_heads, head_dim, max_size) < 1:
             raise ValueError(f"KVCache sizes must be positive, got batch={batch}, "
                              f"n_kv_heads={n_kv_heads}, head_dim={head_dim}, max_size={max_size}")
-        shape = (batch, n_kv_heads, max_size if self.preallocate else 0, head_dim)
-        self.keys = mx.zeros(shape, dtype=dtype)
-        self.values = mx.zeros(shape, dtype=dtype)
-        self.max_size = max_size
+        self.batch, self.n_kv_heads, self.head_dim = batch, n_kv_heads, head_dim
+        self.max_size, self.dtype = max_size, dtype
         self.offset = 0
 
-    def _end(self, k: mx.array, v: mx.array) -> int:
+    def reserve(self, k: mx.array, v: mx.array) -> int:
         """Check k, v (B, n_kv_heads, L, head_dim) against the cache; the offset after storing them."""
-        if k.shape != v.shape or k.ndim != 4 or k.shape[:2] != self.keys.shape[:2] or k.shape[3] != self.keys.shape[3]:
+        if k.shape != v.shape or k.ndim != 4 or k.shape[:2] != (self.batch, self.n_kv_heads) \
+                or k.shape[3] != self.head_dim:
             raise ValueError(f"KVCache expects keys/values of shape (B, H, L, D) = "
-                             f"{self.keys.shape[:2] + ('L',) + self.keys.shape[3:]}, "
-                             f"got {k.shape} and {v.shape}")
+                             f"{(self.batch, self.n_kv_heads, 'L', self.head_dim)}, got {k.shape} and {v.shape}")
         end = self.offset + k.shape[2]
         if end > self.max_size:
             raise ValueError(f"KV cache full: {end} positions needed, {self.max_size} allocated "
@@ -51,16 +60,14 @@ class KVCache:
         return end
 
     def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
-        """Store k, v (B, n_kv_heads, L, head_dim) at the next L slots; return the whole history.
+        """Store k, v (B, n_kv_heads, L, head_dim) at the next L slots; return the whole history,
+        (B, n_kv_heads, offset + L, head_dim). The attention layer calls this once per forward."""
+        raise NotImplementedError
 
-        The attention layer calls this once per forward: the returned arrays are
-        (B, n_kv_heads, offset + L, head_dim).
-        """
-        end = self._end(k, v)
-        self.keys[:, :, self.offset:end, :] = k
-        self.values[:, :, self.offset:end, :] = v
-        self.offset = end
-        return self.keys[:, :, :end, :], self.values[:, :, :end, :]
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.array:
+        """For attends == "fused": store k, v (B, n_kv_heads, L, D), return attention of q (B, H, L, D)
+        over the whole history, (B, H, L, D)."""
+        raise NotImplementedError(f"{type(self).__name__} attends {self.attends!r}: use update_and_fetch")
 
     def trim(self, n: int) -> int:
         """Forget the last n positions (speculative decoding rewinds rejected drafts this way)."""
@@ -70,21 +77,52 @@ class KVCache:
 
     @property
     def state(self) -> tuple[mx.array, mx.array]:
-        """The filled part of the cache: (keys, values), each (B, n_kv_heads, offset, head_dim)."""
-        return self.keys[:, :, :self.offset, :], self.values[:, :, :self.offset, :]
+        """The filled part: (keys, values), each (B, n_kv_heads, offset, head_dim)."""
+        raise NotImplementedError
 
     @property
     def nbytes(self) -> int:
         """Bytes held by the allocated buffers (not only the filled part)."""
+        raise NotImplementedError
+
+
+def float_buffers(batch: int, n_kv_heads: int, length: int, head_dim: int, dtype: mx.Dtype) -> list[mx.array]:
+    """Zeroed keys and values, each (batch, n_kv_heads, length, head_dim)."""
+    return [mx.zeros((batch, n_kv_heads, length, head_dim), dtype=dtype) for _ in range(2)]
+
+
+class KVCache(Cache):
+    """A pre-allocated float key/value cache for one attention layer."""
+
+    def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_size: int, dtype: mx.Dtype = mx.float32):
+        super().__init__(batch, n_kv_heads, head_dim, max_size, dtype)
+        self.keys, self.values = float_buffers(batch, n_kv_heads, max_size, head_dim, dtype)
+
+    def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        """Store k, v (B, n_kv_heads, L, head_dim) at the next L slots, in place; return the whole
+        history (B, n_kv_heads, offset + L, head_dim)."""
+        end = self.reserve(k, v)
+        self.keys[:, :, self.offset:end, :] = k
+        self.values[:, :, self.offset:end, :] = v
+        self.offset = end
+        return self.state
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array]:
+        return self.keys[:, :, :self.offset, :], self.values[:, :, :self.offset, :]
+
+    @property
+    def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
 
 
 class StepCache:
     """One layer's cache inside a compiled decode step (generate.compiled_decoder): a KVCache's buffers and
     the write position, all arrays, so the step's graph is the same at every position and mx.compile traces
-    it once. One token a step; attention reads the whole buffer with the unwritten slots masked out."""
+    it once. One token a step; attention reads the whole buffer with the unwritten slots masked out. Not a
+    `Cache`: a step's view of one, with only what Attention reads (`offset`, `attends`, `attend`)."""
 
-    fused = True   # model.Attention hands q, k, v to `attend`
+    attends = "fused"
 
     def __init__(self, keys: mx.array, values: mx.array, pos: mx.array):
         self.keys, self.values, self.offset = keys, values, pos
@@ -100,28 +138,36 @@ class StepCache:
         return mx.fast.scaled_dot_product_attention(q, self.keys, self.values, scale=scale, mask=written)
 
 
-class ConcatKVCache(KVCache):
+class ConcatKVCache(Cache):
     """A cache that grows by concatenation: every forward allocates a new history one step longer
     and copies the old one into it. Same interface as KVCache; max_size only caps the length."""
 
-    preallocate = False
+    def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_size: int, dtype: mx.Dtype = mx.float32):
+        super().__init__(batch, n_kv_heads, head_dim, max_size, dtype)
+        self.keys, self.values = float_buffers(batch, n_kv_heads, 0, head_dim, dtype)
 
     def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Append k, v (B, n_kv_heads, L, head_dim); return the whole history, a fresh array
         (after a trim, the forgotten tail is dropped)."""
-        end = self._end(k, v)
-        self.keys = mx.concatenate([self.keys[:, :, :self.offset, :], k.astype(self.keys.dtype)], axis=2)
-        self.values = mx.concatenate([self.values[:, :, :self.offset, :], v.astype(self.values.dtype)], axis=2)
+        end = self.reserve(k, v)
+        self.keys = mx.concatenate([self.keys[:, :, :self.offset, :], k.astype(self.dtype)], axis=2)
+        self.values = mx.concatenate([self.values[:, :, :self.offset, :], v.astype(self.dtype)], axis=2)
         self.offset = end
         return self.keys, self.values
 
+    @property
+    def state(self) -> tuple[mx.array, mx.array]:
+        return self.keys[:, :, :self.offset, :], self.values[:, :, :self.offset, :]
 
-class ChunkedKVCache(KVCache):
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+
+class ChunkedKVCache(Cache):
     """A cache that grows `step` positions at a time (mlx-lm's KVCache policy): writes land in
     free slots of the current buffer; when a forward does not fit, a zeroed chunk of whole steps
     is concatenated on, so every `step`-th token pays one allocation and a copy of the history."""
-
-    preallocate = False
 
     def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_size: int,
                  dtype: mx.Dtype = mx.float32, step: int = 256):
@@ -129,25 +175,29 @@ class ChunkedKVCache(KVCache):
         if step < 1:
             raise ValueError(f"step must be positive, got {step}")
         self.step = step
+        self.keys, self.values = float_buffers(batch, n_kv_heads, 0, head_dim, dtype)
 
     def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Store k, v (B, n_kv_heads, L, head_dim) at the next L slots, growing first if they do
         not fit; return the filled part, (B, n_kv_heads, offset + L, head_dim)."""
-        end = self._end(k, v)
+        end = self.reserve(k, v)
         if end > self.keys.shape[2]:   # the filled part, then a new chunk: one copy of the history
-            b, h, _, d = self.keys.shape
-            chunk = mx.zeros((b, h, -(-k.shape[2] // self.step) * self.step, d), dtype=self.keys.dtype)
+            grow = -(-k.shape[2] // self.step) * self.step
+            chunk = mx.zeros((self.batch, self.n_kv_heads, grow, self.head_dim), dtype=self.dtype)
             self.keys = mx.concatenate([self.keys[:, :, :self.offset, :], chunk], axis=2)
             self.values = mx.concatenate([self.values[:, :, :self.offset, :], chunk], axis=2)
-        return super().update_and_fetch(k, v)
+        self.keys[:, :, self.offset:end, :] = k
+        self.values[:, :, self.offset:end, :] = v
+        self.offset = end
+        return self.state
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array]:
+        return self.keys[:, :, :self.offset, :], self.values[:, :, :self.offset, :]
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
 
 
-CACHES = {"static": KVCache, "chunked": ChunkedKVCache, "concat": ConcatKVCache}
-
-
-def make_caches(kind: str, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, max_size: int,
-                dtype: mx.Dtype = mx.float32) -> list:
-    """One cache of kind ("static", "chunked" or "concat") per layer; Model.make_cache builds "static"."""
-    if kind not in CACHES:
-        raise ValueError(f"unknown cache kind {kind!r}; have {', '.join(CACHES)}")
-    return [CACHES[kind](batch, n_kv_heads, head_dim, max_size, dtype) for _ in range(n_layers)]
+CACHES = {"static": KVCache, "chunked": ChunkedKVCache, "concat": ConcatKVCache}   # the float caches

@@ -1,8 +1,10 @@
-"""Quantized key/value caches: the decoder's static cache, stored in fewer bits.
+"""Quantized key/value caches: the decoder's static cache, stored in fewer bits; and `make_caches`,
+the one builder of every cache scheme, float or quantized.
 
-Every cache here is a drop-in for `kvcache.KVCache`: pre-allocated packed buffers (codes plus
-scales and, for affine formats, biases) sized for `max_size` positions, written in place by
-`update_and_fetch`, with the same `offset`, `trim(n)`, `state` and `nbytes`. Four schemes:
+Every cache here is a sibling of `kvcache.KVCache` under the interface `kvcache.Cache`:
+pre-allocated packed buffers (codes plus scales and, for affine formats, biases) sized for
+`max_size` positions, written in place by `update_and_fetch`, with the same `offset`, `trim(n)`,
+`state` and `nbytes`. Four schemes:
 
 * `SymmetricKVCache`: per-token symmetric int8/int4 for K and V alike (the uniform baseline);
   scale = max|x| / (2^(b-1) - 1) per (token, head), |error| <= scale / 2.
@@ -13,30 +15,38 @@ scales and, for affine formats, biases) sized for `max_size` positions, written 
 * `OutlierKVCache`: after KVQuant's dense-and-sparse keys (Hooper et al. 2024, arXiv:2401.18079):
   `n_outliers` key channels per KV head, picked by `calibrate`, kept in float16; the other key
   channels and all values are 4-bit affine groups.
+They share code through the small functions below (`affine_buffers`, `write_affine`,
+`read_affine`, `quantized_attention`), not through each other.
 
-Attention path, two of them, chosen by the constructor flag `fused` (default False):
-* dequantized (every scheme): `update_and_fetch` returns the *dequantized* float keys and values
-  of the filled part and `model.Attention` calls `mx.fast.scaled_dot_product_attention` on them.
-  The simplest correct drop-in; it re-expands the whole history every step (a float copy written
-  and read again), so it saves memory, not bandwidth.
-* fused (`AffineKVCache` and `OutlierKVCache` only, `FUSED`): the cache has `fused = True` and an
-  `attend(q, k, v, scale, mask)` that model.py calls instead: it stores k, v, then runs
-  `quantized_attention`, two `mx.quantized_matmul`s straight on the packed codes (q.K^T with
-  transpose=True, softmax, p.V with transpose=False), as mlx-lm's
-  `models/base.py: quantized_scaled_dot_product_attention` does. The outlier cache adds q.K^T of
-  its float16 channels. No float history is made. The matmuls read the whole pre-allocated
-  buffers, max_size slots, with the unfilled ones masked, as gpt-fast attends over its static
-  cache: the filled part alone, buffer[:, :, :offset], is a strided view, which MLX's CUDA
-  quantized matmul has no kernel for (its CPU one copies it to rows), and a copy per step would
-  move 3x the codes' bytes instead of 1x. So size a fused cache for the request, as `generate`
-  sizes its cache and `kvquality.decode_speed` does: a step costs max_size positions, not offset.
-  MLX has no quantized kernel for symmetric codes or KIVI's per-channel key blocks, so those
-  stay dequantized. `kvquality.decode_speed` measures both paths against the float cache.
+Attention path, two of them, chosen by the constructor flag `fused` (default False), which sets
+the cache's `attends` field (kvcache.Cache) that `model.Attention` reads:
+* "dense", dequantized (every scheme): `update_and_fetch` returns the *dequantized* float keys and
+  values of the filled part and `model.Attention` calls `mx.fast.scaled_dot_product_attention` on
+  them. The simplest correct drop-in; it re-expands the whole history every step (a float copy
+  written and read again), so it saves memory, not bandwidth.
+* "fused" (`AffineKVCache` and `OutlierKVCache` only, `FUSED`): model.Attention calls the cache's
+  `attend(q, k, v, scale, mask)`: it stores k, v, then runs `quantized_attention`, two
+  `mx.quantized_matmul`s straight on the packed codes (q.K^T with transpose=True, softmax, p.V
+  with transpose=False), as mlx-lm's `models/base.py: quantized_scaled_dot_product_attention`
+  does. The outlier cache adds q.K^T of its float16 channels. No float history is made. The
+  matmuls read the whole pre-allocated buffers, max_size slots, with the unfilled ones masked, as
+  gpt-fast attends over its static cache: the filled part alone, buffer[:, :, :offset], is a
+  strided view, which MLX's CUDA quantized matmul has no kernel for (its CPU one copies it to
+  rows), and a copy per step would move 3x the codes' bytes instead of 1x. So size a fused cache
+  for the request, as `generate` sizes its cache and `measure.kv.decode_speed` does: a step costs
+  max_size positions, not offset. MLX has no quantized kernel for symmetric codes or KIVI's
+  per-channel key blocks, so those stay dequantized. `measure.kv.decode_speed` measures both
+  paths against the float cache.
 
 MLX's affine rule (mx.quantize) is not plain min/max: it snaps the group's edge of larger
 magnitude to an exact code and rescales so that zero is a code, which can shorten the grid at
 the far end. Its worst-case error is therefore (max - min) / 2^b per group, not the half step
 (max - min) / (2 (2^b - 1)) of textbook affine quantization (tests/test_kvquant.py checks it).
+
+`make_caches(scheme, ...)` builds one cache per layer for any scheme name: FLOAT ("float", the
+static KVCache; "static" too), kvcache's growing "chunked" and "concat", and every key of
+`CACHES`. `scheme_bytes` reads a scheme's bytes per token off real caches' `nbytes`;
+`outlier_indices` is the chapter's rule for an outlier channel.
 
 Shapes: keys and values are (B, n_kv_heads, L, head_dim). Scales and biases are stored in the
 cache dtype (float16 on a GPU, float32 on the CPU), as mlx-lm does.
@@ -50,8 +60,12 @@ from collections.abc import Sequence
 from functools import partial
 
 import mlx.core as mx
+import numpy as np
 
-from ref_impl.engine.kvcache import KVCache
+from ref_impl.engine import kvcache
+from ref_impl.engine.kvcache import Cache, KVCache
+
+FLOAT = "float"   # the scheme name of the unquantized static cache (kvcache.KVCache; kvcache.CACHES calls it "static")
 
 # --- symmetric per-token codes: int8, or two 4-bit codes per byte -----------------------------
 
@@ -76,24 +90,30 @@ def dequantize_symmetric(codes: mx.array, scale: mx.array, bits: int) -> mx.arra
     return q.astype(scale.dtype) * scale
 
 
-def _zeros(shape, dtype):
-    return mx.zeros(shape, dtype=dtype)
+# --- affine codes (mx.quantize): (codes, scales, biases) buffers -----------------------------------
 
-
-def _affine_buffers(lead: tuple, width: int, bits: int, group: int, dtype: mx.Dtype) -> list[mx.array]:
+def affine_buffers(lead: tuple, width: int, bits: int, group: int, dtype: mx.Dtype) -> list[mx.array]:
     """Empty (codes, scales, biases) for mx.quantize output over rows of `width` values."""
-    return [_zeros(lead + (width * bits // 32,), mx.uint32),
-            _zeros(lead + (width // group,), dtype), _zeros(lead + (width // group,), dtype)]
+    return [mx.zeros(lead + (width * bits // 32,), dtype=mx.uint32),
+            mx.zeros(lead + (width // group,), dtype=dtype), mx.zeros(lead + (width // group,), dtype=dtype)]
 
 
-def _dequantize(codes: mx.array, scales: mx.array, biases: mx.array, group: int, bits: int) -> mx.array:
-    """mx.dequantize, also for zero rows (an empty cache part), in the scales' dtype."""
+def write_affine(bufs: Sequence[mx.array], x: mx.array, start: int, end: int, group: int, bits: int) -> None:
+    """mx.quantize rows x (B, H, end - start, ..., width) into slots start .. end-1 (axis 2) of bufs."""
+    for buf, part in zip(bufs, mx.quantize(x, group, bits)):
+        buf[:, :, start:end] = part
+
+
+def read_affine(bufs: Sequence[mx.array], n: int, group: int, bits: int) -> mx.array:
+    """Slots 0 .. n-1 (axis 2) of bufs dequantized, in the scales' dtype; also for n = 0."""
+    codes, scales, biases = (b[:, :, :n] for b in bufs)
     if codes.size == 0:
-        return _zeros(codes.shape[:-1] + (codes.shape[-1] * 32 // bits,), scales.dtype)
+        return mx.zeros(codes.shape[:-1] + (codes.shape[-1] * 32 // bits,), dtype=scales.dtype)
     return mx.dequantize(codes, scales, biases, group_size=group, bits=bits)
 
 
-def _check_affine(bits: int, group: int, width: int, what: str):
+def check_affine(bits: int, group: int, width: int, what: str) -> None:
+    """A ValueError unless mx.quantize takes `bits`-bit groups of `group` over rows of `width` values."""
     if bits not in (2, 3, 4, 5, 6, 8) or group not in (32, 64, 128) or width % group:
         raise ValueError(f"mx.quantize needs bits in 2..8, group 32/64/128 dividing {what} ({width}); "
                          f"got bits={bits}, group={group}")
@@ -153,25 +173,25 @@ def quantized_attention(q: mx.array, k_quant: Sequence[mx.array], v_quant: Seque
     return out.reshape(B, H, L, D)
 
 
-class SymmetricKVCache(KVCache):
-    """Per-token symmetric int8 or int4 keys and values (one scale per token and head)."""
+# --- the caches -----------------------------------------------------------------------------------
 
-    preallocate = False   # KVCache's float buffers stay empty (B, H, 0, D): only the shape check uses them
+class SymmetricKVCache(Cache):
+    """Per-token symmetric int8 or int4 keys and values (one scale per token and head)."""
 
     def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_size: int,
                  dtype: mx.Dtype = mx.float32, bits: int = 8):
         super().__init__(batch, n_kv_heads, head_dim, max_size, dtype)
         if bits not in (4, 8) or head_dim % 2:
             raise ValueError(f"symmetric caches store 8 or 4 bits (even head_dim); got bits={bits}")
-        self.bits, self.dtype = bits, dtype
+        self.bits = bits
         lead = (batch, n_kv_heads, max_size)
         code = mx.int8 if bits == 8 else mx.uint8
-        self.k_codes, self.v_codes = (_zeros(lead + (head_dim * bits // 8,), code) for _ in range(2))
-        self.k_scales, self.v_scales = (_zeros(lead + (1,), dtype) for _ in range(2))
+        self.k_codes, self.v_codes = (mx.zeros(lead + (head_dim * bits // 8,), dtype=code) for _ in range(2))
+        self.k_scales, self.v_scales = (mx.zeros(lead + (1,), dtype=dtype) for _ in range(2))
 
     def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Quantize k, v (B, H, L, D) into the next L slots; return the dequantized history."""
-        end = self._end(k, v)
+        end = self.reserve(k, v)
         for x, codes, scales in ((k, self.k_codes, self.k_scales), (v, self.v_codes, self.v_scales)):
             q, s = quantize_symmetric(x, self.bits, self.dtype)
             codes[:, :, self.offset:end, :] = q
@@ -191,61 +211,54 @@ class SymmetricKVCache(KVCache):
         return sum(a.nbytes for a in (self.k_codes, self.v_codes, self.k_scales, self.v_scales))
 
 
-class AffineKVCache(KVCache):
+class AffineKVCache(Cache):
     """Per-token affine groups of `group` channels (mx.quantize), keys and values alike.
 
-    fused=True: model.Attention calls `attend`, attention on the packed codes, instead of
-    `update_and_fetch` and attention on the dequantized history (see the module docstring)."""
-
-    preallocate = False   # KVCache's float buffers stay empty (B, H, 0, D): only the shape check uses them
+    fused=True sets attends = "fused": model.Attention calls `attend`, attention on the packed codes,
+    instead of `update_and_fetch` and attention on the dequantized history (see the module docstring)."""
 
     def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_size: int,
                  dtype: mx.Dtype = mx.float32, bits: int = 8, group: int = 64, fused: bool = False):
         super().__init__(batch, n_kv_heads, head_dim, max_size, dtype)
-        _check_affine(bits, group, head_dim, "head_dim")
-        self.bits, self.group, self.dtype, self.fused = bits, group, dtype, fused
+        check_affine(bits, group, head_dim, "head_dim")
+        self.bits, self.group = bits, group
+        self.attends = "fused" if fused else "dense"
         lead = (batch, n_kv_heads, max_size)
-        self.k_quant = _affine_buffers(lead, head_dim, bits, group, dtype)   # codes, scales, biases
-        self.v_quant = _affine_buffers(lead, head_dim, bits, group, dtype)
+        self.k_quant = affine_buffers(lead, head_dim, bits, group, dtype)   # codes, scales, biases
+        self.v_quant = affine_buffers(lead, head_dim, bits, group, dtype)
 
-    def _store(self, k: mx.array, v: mx.array, end: int) -> None:
-        """Quantize k, v (B, H, L, D) into slots offset..end and advance the offset."""
-        for x, bufs in ((k, self.k_quant), (v, self.v_quant)):
-            for buf, part in zip(bufs, mx.quantize(x.astype(self.dtype), self.group, self.bits)):
-                buf[:, :, self.offset:end, :] = part
+    def store(self, k: mx.array, v: mx.array) -> None:
+        """Quantize k, v (B, H, L, D) into the next L slots and advance the offset."""
+        end = self.reserve(k, v)
+        write_affine(self.k_quant, k.astype(self.dtype), self.offset, end, self.group, self.bits)
+        write_affine(self.v_quant, v.astype(self.dtype), self.offset, end, self.group, self.bits)
         self.offset = end
 
     def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Quantize k, v (B, H, L, D) into the next L slots; return the dequantized history."""
-        self._store(k, v, self._end(k, v))
+        self.store(k, v)
         return self.state
-
-    def _codes(self) -> list[list[mx.array]]:
-        """[key (codes, scales, biases), value (...)] of the filled part, each (B, H, offset, .)."""
-        return [[b[:, :, :self.offset] for b in bufs] for bufs in (self.k_quant, self.v_quant)]
-
-    def _dequantized(self) -> tuple[mx.array, mx.array]:
-        return tuple(_dequantize(*bufs, self.group, self.bits) for bufs in self._codes())
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.array:
         """Store k, v (B, Hkv, L, D) as update_and_fetch does, then attention of q (B, H, L, D) over the
         whole history on the packed codes (`quantized_attention`): (B, H, L, D). It reads all max_size
         slots, the unfilled ones masked (see the module docstring)."""
-        self._store(k, v, self._end(k, v))
+        self.store(k, v)
         return quantized_attention(q, self.k_quant, self.v_quant, scale, mask, self.group, self.bits,
                                    length=self.offset)
 
     @property
     def state(self) -> tuple[mx.array, mx.array]:
         """The dequantized filled part: (keys, values), each (B, H, offset, D)."""
-        return self._dequantized()
+        return (read_affine(self.k_quant, self.offset, self.group, self.bits),
+                read_affine(self.v_quant, self.offset, self.group, self.bits))
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.k_quant + self.v_quant)
 
 
-class KIVIKVCache(KVCache):
+class KIVIKVCache(Cache):
     """KIVI: keys per channel over blocks of `group` tokens, values per token, recent tokens in float.
 
     The rule, with n = offset, G = group, R = window:
@@ -260,51 +273,46 @@ class KIVIKVCache(KVCache):
     with a later block pick up a second rounding). `state` is unchanged by the trim but for its end.
     """
 
-    preallocate = False   # KVCache's float buffers stay empty (B, H, 0, D): only the shape check uses them
-
     def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_size: int,
                  dtype: mx.Dtype = mx.float32, bits: int = 4, group: int = 32, window: int = 32):
         super().__init__(batch, n_kv_heads, head_dim, max_size, dtype)
-        _check_affine(bits, group, head_dim, "head_dim")
+        check_affine(bits, group, head_dim, "head_dim")
         if window < 0:
             raise ValueError(f"window must be >= 0, got {window}")
-        self.bits, self.group, self.window, self.dtype = bits, group, window, dtype
+        self.bits, self.group, self.window = bits, group, window
         B, H, D = batch, n_kv_heads, head_dim
         # keys: (B, H, block, D, G) per-channel rows, quantized along their G tokens
-        self.k_quant = _affine_buffers((B, H, max_size // group, D), group, bits, group, dtype)
-        self.v_quant = _affine_buffers((B, H, max_size), D, bits, group, dtype)
-        self.k_float = _zeros((B, H, window + group, D), dtype)   # positions qk .. offset-1
-        self.v_float = _zeros((B, H, window, D), dtype)           # positions qv .. offset-1
+        self.k_quant = affine_buffers((B, H, max_size // group, D), group, bits, group, dtype)
+        self.v_quant = affine_buffers((B, H, max_size), D, bits, group, dtype)
+        self.k_float = mx.zeros((B, H, window + group, D), dtype=dtype)   # positions qk .. offset-1
+        self.v_float = mx.zeros((B, H, window, D), dtype=dtype)           # positions qv .. offset-1
         self.qk = self.qv = 0
 
-    def _quantize_keys(self, x: mx.array, start: int):
+    def quantize_keys(self, x: mx.array, start: int) -> None:
         """Quantize whole blocks x (B, H, nG, D) per channel into blocks start/G onward."""
         B, H, L, D = x.shape
         G = self.group
         rows = x.reshape(B, H, L // G, G, D).transpose(0, 1, 2, 4, 3)   # (B, H, blocks, D, G)
-        for buf, part in zip(self.k_quant, mx.quantize(rows.astype(self.dtype), G, self.bits)):
-            buf[:, :, start // G:(start + L) // G] = part
+        write_affine(self.k_quant, rows.astype(self.dtype), start // G, (start + L) // G, G, self.bits)
 
-    def _dequantize_keys(self, n: int) -> mx.array:
+    def dequantize_keys(self, n: int) -> mx.array:
         """Keys 0 .. n-1 (n a multiple of group) back as (B, H, n, D)."""
-        rows = _dequantize(*(b[:, :, :n // self.group] for b in self.k_quant), self.group, self.bits)
-        # rows: (B, H, blocks, D, G)
+        rows = read_affine(self.k_quant, n // self.group, self.group, self.bits)   # (B, H, blocks, D, G)
         B, H, _, D, _ = rows.shape
         return rows.transpose(0, 1, 2, 4, 3).reshape(B, H, n, D)
 
     def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Store k, v (B, H, L, D); quantize what left the float window; return the dequantized history."""
-        end = self._end(k, v)
+        end = self.reserve(k, v)
         G, R = self.group, self.window
         fk = mx.concatenate([self.k_float[:, :, :self.offset - self.qk], k.astype(self.dtype)], axis=2)
         fv = mx.concatenate([self.v_float[:, :, :self.offset - self.qv], v.astype(self.dtype)], axis=2)
         qk = max(G * (max(end - R, 0) // G), self.qk)
         if qk > self.qk:
-            self._quantize_keys(fk[:, :, :qk - self.qk], self.qk)
+            self.quantize_keys(fk[:, :, :qk - self.qk], self.qk)
         qv = max(end - R, self.qv)
         if qv > self.qv:
-            for buf, part in zip(self.v_quant, mx.quantize(fv[:, :, :qv - self.qv], G, self.bits)):
-                buf[:, :, self.qv:qv] = part
+            write_affine(self.v_quant, fv[:, :, :qv - self.qv], self.qv, qv, G, self.bits)
         if end > qk:
             self.k_float[:, :, :end - qk] = fk[:, :, qk - self.qk:]
         if end > qv:
@@ -318,7 +326,7 @@ class KIVIKVCache(KVCache):
         end = self.offset - n
         if end < self.qk:   # dequantize the block the new end falls in back into the float window
             qk = self.group * (end // self.group)
-            self.k_float[:, :, :end - qk] = self._dequantize_keys(qk + self.group)[:, :, qk:end]
+            self.k_float[:, :, :end - qk] = self.dequantize_keys(qk + self.group)[:, :, qk:end]
             self.qk = qk
         self.qv = min(self.qv, end)
         self.offset = end
@@ -328,8 +336,8 @@ class KIVIKVCache(KVCache):
     def state(self) -> tuple[mx.array, mx.array]:
         """The dequantized filled part: (keys, values), each (B, H, offset, D)."""
         n = self.offset
-        keys = mx.concatenate([self._dequantize_keys(self.qk), self.k_float[:, :, :n - self.qk]], axis=2)
-        vq = _dequantize(*(b[:, :, :self.qv] for b in self.v_quant), self.group, self.bits)
+        keys = mx.concatenate([self.dequantize_keys(self.qk), self.k_float[:, :, :n - self.qk]], axis=2)
+        vq = read_affine(self.v_quant, self.qv, self.group, self.bits)
         return keys, mx.concatenate([vq, self.v_float[:, :, :n - self.qv]], axis=2)
 
     @property
@@ -337,9 +345,9 @@ class KIVIKVCache(KVCache):
         return sum(a.nbytes for a in self.k_quant + self.v_quant + [self.k_float, self.v_float])
 
 
-class OutlierKVCache(AffineKVCache):
+class OutlierKVCache(Cache):
     """Keys: `n_outliers` channels per KV head in float16, the rest `bits`-bit affine per token;
-    values: `bits`-bit affine per token. Both in groups of `group` channels.
+    values: `bits`-bit affine per token. Both in groups of `group` channels; `fused` as AffineKVCache's.
 
     The outlier channels are the n_outliers largest max|k| channels of each head in the keys given
     to `calibrate`; if it was not called, the first `update_and_fetch` (the prompt's prefill)
@@ -353,51 +361,69 @@ class OutlierKVCache(AffineKVCache):
                  fused: bool = False):
         if not 0 < n_outliers < head_dim:
             raise ValueError(f"n_outliers must be in 1..head_dim-1, got {n_outliers}")
-        super().__init__(batch, n_kv_heads, head_dim, max_size, dtype, bits, group, fused)
-        self.n_outliers = n_outliers
+        super().__init__(batch, n_kv_heads, head_dim, max_size, dtype)
+        check_affine(bits, group, head_dim, "head_dim")
+        self.bits, self.group, self.n_outliers = bits, group, n_outliers
+        self.attends = "fused" if fused else "dense"
         lead = (batch, n_kv_heads, max_size)
-        self.k_outliers = _zeros(lead + (n_outliers,), mx.float16)
-        self.channels = _zeros((n_kv_heads, n_outliers), mx.int32)   # per head, ascending
+        self.k_quant = affine_buffers(lead, head_dim, bits, group, dtype)   # codes, scales, biases
+        self.v_quant = affine_buffers(lead, head_dim, bits, group, dtype)
+        self.k_outliers = mx.zeros(lead + (n_outliers,), dtype=mx.float16)
+        self.channels = mx.zeros((n_kv_heads, n_outliers), dtype=mx.int32)   # per head, ascending
         self.calibrated = False
 
-    def calibrate(self, keys: mx.array):
+    def calibrate(self, keys: mx.array) -> None:
         """Pick each head's n_outliers channels of largest max|k| over keys (B, H, L, D)."""
         magnitude = mx.abs(keys.astype(mx.float32)).max(axis=(0, 2))   # (H, D)
         top = mx.argsort(-magnitude, axis=-1)[:, :self.n_outliers]
         self.channels = mx.sort(top, axis=-1).astype(mx.int32)
         self.calibrated = True
 
-    def _index(self, x: mx.array) -> mx.array:
+    def index(self, x: mx.array) -> mx.array:
+        """The outlier channels' indices broadcast over x (B, H, L, D): (B, H, L, n_outliers)."""
         B, H, L, _ = x.shape
         return mx.broadcast_to(self.channels[None, :, None, :], (B, H, L, self.n_outliers))
 
-    def _store(self, k: mx.array, v: mx.array, end: int) -> None:
-        """The outlier channels of k (B, H, L, D) into k_outliers, the rest (outlier slots 0) and v as codes."""
+    def store(self, k: mx.array, v: mx.array) -> None:
+        """The outlier channels of k (B, H, L, D) into k_outliers, the rest (outlier slots 0) and v as
+        codes, in the next L slots; advance the offset."""
+        end = self.reserve(k, v)
         if not self.calibrated:
             self.calibrate(k)
-        idx = self._index(k)
+        idx = self.index(k)
         self.k_outliers[:, :, self.offset:end] = mx.take_along_axis(k, idx, axis=-1).astype(mx.float16)
-        super()._store(mx.put_along_axis(k.astype(self.dtype), idx, mx.array(0, self.dtype), axis=-1), v, end)
+        dense = mx.put_along_axis(k.astype(self.dtype), idx, mx.array(0, self.dtype), axis=-1)
+        write_affine(self.k_quant, dense, self.offset, end, self.group, self.bits)
+        write_affine(self.v_quant, v.astype(self.dtype), self.offset, end, self.group, self.bits)
+        self.offset = end
+
+    def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        """Store k, v (B, H, L, D) in the next L slots; return the dequantized history."""
+        self.store(k, v)
+        return self.state
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.array:
         """AffineKVCache.attend, plus the float16 outlier channels' share of q.K^T."""
-        self._store(k, v, self._end(k, v))
+        self.store(k, v)
         return quantized_attention(q, self.k_quant, self.v_quant, scale, mask, self.group, self.bits,
                                    (self.channels, self.k_outliers), self.offset)
 
     @property
     def state(self) -> tuple[mx.array, mx.array]:
         """The dequantized filled part: (keys, values), each (B, H, offset, D)."""
-        dense, values = self._dequantized()
+        dense = read_affine(self.k_quant, self.offset, self.group, self.bits)
+        values = read_affine(self.v_quant, self.offset, self.group, self.bits)
         outliers = self.k_outliers[:, :, :self.offset].astype(self.dtype)
-        return mx.put_along_axis(dense, self._index(dense), outliers, axis=-1), values
+        return mx.put_along_axis(dense, self.index(dense), outliers, axis=-1), values
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.k_quant + self.v_quant + [self.k_outliers, self.channels])
 
 
-CACHES = {
+# --- the scheme names, and the one builder ----------------------------------------------------------
+
+CACHES = {   # the quantized schemes
     "sym8": partial(SymmetricKVCache, bits=8),
     "sym4": partial(SymmetricKVCache, bits=4),
     "affine8-g64": partial(AffineKVCache, bits=8, group=64),
@@ -409,24 +435,58 @@ CACHES = {
     "outlier4": partial(OutlierKVCache, bits=4, group=32, n_outliers=4),
 }
 
+# the schemes whose attention can run on the codes (fused=True): mx.quantized_matmul reads affine codes only
+FUSED = tuple(name for name, make in CACHES.items() if make.func in (AffineKVCache, OutlierKVCache))
 
-FUSED = tuple(name for name, make in CACHES.items() if issubclass(make.func, AffineKVCache))   # have fused=True
+SCHEMES = {FLOAT: KVCache, **kvcache.CACHES, **CACHES}   # every scheme name make_caches takes
 
 
-def make_caches(kind: str, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, max_size: int,
-                dtype: mx.Dtype = mx.float32, **params) -> list:
-    """One quantized cache of `kind` (a key of CACHES) per layer; params override its bits/group/... .
+def make_caches(scheme: str, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, max_size: int,
+                dtype: mx.Dtype = mx.float32, **params) -> list[Cache]:
+    """One cache of `scheme` (a key of SCHEMES: FLOAT or "static", "chunked", "concat", or a quantized
+    scheme of CACHES) per layer, each for up to max_size positions; params override the scheme's
+    bits/group/window/... (chunked: step). `fused=True` (the schemes in FUSED) makes attention run on
+    the packed codes; fused=False is accepted by every scheme.
 
     Example: `make_caches("kivi2", a.num_hidden_layers, 1, a.num_key_value_heads, a.head_dim, 512,
-    window=64)`; the list goes wherever `Model.make_cache()`'s would (generate_step, prefill).
-    `fused=True` (the schemes in FUSED) makes attention run on the packed codes; fused=False is
-    accepted by every scheme.
+    window=64)`; `Model.make_cache(max_size, batch, scheme, **params)` fills in the model's shape.
     """
-    if kind not in CACHES:
-        raise ValueError(f"unknown quantized cache kind {kind!r}; have {', '.join(CACHES)}")
-    if params.pop("fused", False):
-        if kind not in FUSED:
-            raise ValueError(f"{kind} has no fused attention path (mx.quantized_matmul reads affine codes "
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown cache kind {scheme!r}; have {', '.join(SCHEMES)}")
+    make = SCHEMES[scheme]
+    fused = params.pop("fused", False)
+    if make is KVCache and (fused or params):
+        raise ValueError(f"the float cache takes no parameters; got {params or 'fused=True'}")
+    if fused:
+        if scheme not in FUSED:
+            raise ValueError(f"{scheme} has no fused attention path (mx.quantized_matmul reads affine codes "
                              f"only); fused schemes: {', '.join(FUSED)}")
         params["fused"] = True
-    return [CACHES[kind](batch, n_kv_heads, head_dim, max_size, dtype, **params) for _ in range(n_layers)]
+    return [make(batch, n_kv_heads, head_dim, max_size, dtype, **params) for _ in range(n_layers)]
+
+
+def scheme_bytes(scheme: str, n_kv_heads: int, head_dim: int, dtype: mx.Dtype = mx.float16,
+                 sizes: tuple[int, int] = (256, 512), **params) -> tuple[float, float]:
+    """(bytes per token, fixed bytes) of one layer's cache, read off `nbytes` of a batch-1 cache of
+    the scheme built at two max_size values: no formula of its own, so it cannot drift from the caches."""
+    a, b = (make_caches(scheme, 1, 1, n_kv_heads, head_dim, s, dtype, **params)[0].nbytes for s in sizes)
+    per_token = (b - a) / (sizes[1] - sizes[0])
+    return per_token, a - per_token * sizes[0]
+
+
+# --- outlier channels: the chapter's rule ---------------------------------------------------------
+
+def outlier_indices(magnitude: np.ndarray, factor: float) -> np.ndarray:
+    """Indices of the channels whose magnitude (one value per channel, (C,)) exceeds factor times
+    the median channel's: the outlier rule used throughout the chapter."""
+    magnitude = np.asarray(magnitude, dtype=np.float64)
+    if magnitude.ndim != 1 or magnitude.size == 0:
+        raise ValueError(f"expected one magnitude per channel (a non-empty 1-D array), got shape {magnitude.shape}")
+    return np.flatnonzero(magnitude > factor * np.median(magnitude))
+
+
+def outlier_channels(mags: dict, factor: float, which: str = "keys_pre_rope", stat: str = "mean") -> list[int]:
+    """Per layer, how many channels (over all KV heads) are outliers (`outlier_indices`) by
+    mags[which][stat], mags as measure.kv.key_value_magnitudes returns them: (n_layers, n_kv_heads, head_dim)."""
+    m = mags[which][stat]
+    return [len(outlier_indices(row, factor)) for row in m.reshape(m.shape[0], -1)]

@@ -14,7 +14,7 @@ rejection, draw from the residual max(0, p - q) normalized; if all γ are accept
 token from the target's distribution after the last draft. With temperature 0 it reduces to
 the greedy rule: accept while the draft equals the target's argmax (`accept_greedy`).
 
-Rejected drafts are forgotten by trimming the KV caches (`KVCache.trim`), never by copying
+Rejected drafts are forgotten by trimming the KV caches (`kvcache.Cache.trim`), never by copying
 them. Between steps both caches hold the same tokens: the prompt and every emitted token
 except the last one, which the next step feeds first. A `Drafter` holds the draft side (model,
 cache, and how a proposal is picked), so other proposers can be measured on the same loop.
@@ -32,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from ref_impl.engine.generate import Sampler, decode_one_token, prefill
-from ref_impl.engine.kvcache import KVCache
+from ref_impl.engine.kvcache import Cache
 from ref_impl.engine.model import Model
 
 
@@ -86,7 +86,7 @@ def accept_greedy(target_tokens: np.ndarray, drafts: np.ndarray) -> tuple[int, i
     return n, int(target_tokens[n])
 
 
-def rewind(cache: list[KVCache], n: int) -> None:
+def rewind(cache: list[Cache], n: int) -> None:
     """Forget the last n positions of every layer's cache."""
     for layer_cache in cache:
         layer_cache.trim(n)
@@ -98,7 +98,7 @@ class Drafter:
     same tokens as the target's. A subclass that changes only `pick` (a scripted or α-controlled
     proposer, as the speedup measurements use) keeps the draft model's real cost."""
 
-    def __init__(self, model: Model, cache: list[KVCache], sampler: Sampler):
+    def __init__(self, model: Model, cache: list[Cache], sampler: Sampler):
         self.model, self.cache, self.sampler = model, cache, sampler
 
     def prefill(self, tokens: mx.array) -> mx.array:
@@ -139,7 +139,7 @@ class SpeculativeStep:
     drafts: list[int] = field(default_factory=list)   # all γ proposals, the rejected ones included
 
 
-def speculative_step(target: Model, drafter: Drafter, target_cache: list[KVCache], y: mx.array, gamma: int,
+def speculative_step(target: Model, drafter: Drafter, target_cache: list[Cache], y: mx.array, gamma: int,
                      sampler: Sampler, rng: np.random.Generator) -> SpeculativeStep:
     """One draft-then-verify step after the last emitted token y (1,), which neither cache holds yet.
 
@@ -183,10 +183,8 @@ def take(steps: Iterator[SpeculativeStep], max_tokens: int) -> tuple[list[int], 
     return tokens[:max_tokens], taken
 
 
-
-
 def speculative_generate(target: Model, drafter: Drafter, prompt: list[int], sampler: Sampler,
-                         target_cache: list[KVCache], gamma: int = 4,
+                         target_cache: list[Cache], gamma: int = 4,
                          rng: np.random.Generator | None = None) -> Iterator[SpeculativeStep]:
     """Yield one SpeculativeStep per target forward, forever; the caller stops it.
 
@@ -257,7 +255,9 @@ def chi2_sf(x: float, df: int) -> float:
     h = x / 2
     if df % 2 == 0:
         return sum(math.exp(-h + i * math.log(h) - math.lgamma(i + 1)) for i in range(df // 2)) if h > 0 else 1.0
-    tail = sum(math.exp(-h + (i - 0.5) * math.log(h) - math.lgamma(i + 0.5)) for i in range(1, df // 2 + 1)) if h > 0 else 0.0
+    if h == 0:
+        return 1.0
+    tail = sum(math.exp(-h + (i - 0.5) * math.log(h) - math.lgamma(i + 0.5)) for i in range(1, df // 2 + 1))
     return math.erfc(math.sqrt(h)) + tail
 
 
