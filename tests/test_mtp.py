@@ -12,11 +12,12 @@ import pytest
 
 from ref_impl import MODELS_DIR
 from ref_impl.engine import mtp, speculative
+from ref_impl.engine.checkpoint import load
 from ref_impl.engine.generate import Sampler
-from ref_impl.engine.model import Model, ModelArgs, load
+from ref_impl.engine.model import Model, ModelArgs
 from ref_impl.engine.speculative import acceptance_rate
 from ref_impl.formats import gguf
-from ref_impl.training.train import heldout_stream
+from ref_impl.training.corpus import heldout_stream
 from tests.test_speculative import (
     SIGNIFICANCE,
     accept_resampling_from_p,
