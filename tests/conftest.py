@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from ref_impl import MODELS_DIR  # first: loads the optimized BLAS before anything imports mlx
+from ref_impl.engine.random import random_blocks
+from ref_impl.formats.quantize import with_llama_cpp
 
 SHIPPED = MODELS_DIR / "stdlib-10m.gguf"
 
@@ -30,8 +32,8 @@ def write_random_llama(path: Path, vocab=97, dim=64, layers=2, heads=4, kv_heads
     def add_matrix(name, m):
         if qtype is None:
             w.add_tensor(name, m)
-        elif qtype.name in ("Q4_K", "Q6_K"):  # the gguf package has no K-quant quantizer: random blocks
-            w.add_tensor(name, random_kquant_blocks(qtype.name, *m.shape, rng), raw_dtype=qtype)
+        elif qtype.name in ("Q4_K", "Q5_K", "Q6_K"):  # the gguf package has no K-quant quantizer: random blocks
+            w.add_tensor(name, random_blocks(qtype.name, *m.shape, rng), raw_dtype=qtype)
         else:
             w.add_tensor(name, gguf.quants.quantize(m, qtype), raw_dtype=qtype)
 
@@ -67,17 +69,6 @@ def write_random_llama(path: Path, vocab=97, dim=64, layers=2, heads=4, kv_heads
     return path
 
 
-def random_kquant_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Random Q4_K or Q6_K rows (rows, cols // 256 * block bytes) whose fp16 scales are small and
-    finite, so they decode to weights of a plausible size."""
-    # Q4_K: |x| <= d * 63 * 15 + dmin * 63;  Q6_K: |x| <= d * 128 * 32
-    block_bytes, scale_at, d_max = {"Q4_K": (144, (0, 2), 1e-3), "Q6_K": (210, (208,), 2e-4)}[type_name]
-    blocks = rng.integers(0, 256, (rows * cols // 256, block_bytes), dtype=np.uint8)
-    for at in scale_at:   # d (and Q4_K's dmin)
-        blocks[:, at:at + 2] = rng.uniform(d_max / 4, d_max, (len(blocks), 1)).astype("<f2").view(np.uint8)
-    return blocks.reshape(rows, -1)
-
-
 @pytest.fixture(scope="session")
 def random_llama(tmp_path_factory) -> Path:
     return write_random_llama(tmp_path_factory.mktemp("models") / "random.gguf")
@@ -94,8 +85,6 @@ def shipped_model() -> Path:
 def llama_q4_k_m(shipped_model, tmp_path_factory) -> Path:
     """The shipped model quantized to Q4_K_M by llama.cpp itself (Q4_K, Q6_K, and Q5_0/Q8_0 where
     rows of 384 are not a multiple of 256)."""
-    from ref_impl.formats.quantize import with_llama_cpp
-
     out = tmp_path_factory.mktemp("q4km") / "stdlib-10m-Q4_K_M.gguf"
     with_llama_cpp(shipped_model, out, "Q4_K_M")
     return out

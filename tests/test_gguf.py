@@ -1,4 +1,4 @@
-"""Tests for ref_impl.formats.gguf (GGUF v3 reader/writer) and the Q8_0 part of ref_impl.formats.kquants.
+"""Tests for ref_impl.formats.gguf, the GGUF v3 reader/writer (Q8_0 is tested in test_kquants.py).
 
 Oracle: llama.cpp's own Python package `gguf` (GGUFReader, GGUFWriter, gguf.quants).
 """
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
 
-from ref_impl.formats.gguf import BLOCK, GGMLType, GGUFError, TensorData, Value, ValueType, read, tensor_nbytes, write
+from ref_impl.formats.ggml import BLOCK, GGMLType, tensor_nbytes
+from ref_impl.formats.gguf import GGUFError, TensorData, Value, ValueType, read, write
 from ref_impl.formats.kquants import dequantize_q8_0, quantize_q8_0
 
 T = ValueType
@@ -163,12 +163,7 @@ def test_overwriting_a_mapped_file_leaves_old_views_intact(tmp_path):
         assert f.array("x").tolist() == [1, 1, 1, 1]
 
 
-def test_every_ggml_type_has_a_block_size():
-    assert set(BLOCK) == set(GGMLType)
-    for t, (block, nbytes) in BLOCK.items():
-        if t == GGMLType.Q8_1:  # ggml-common.h: two fp16 + 32 int8 = 36; gguf-py still says 4 + 4 + 32
-            continue
-        assert gguf_py.GGML_QUANT_SIZES[gguf_py.GGMLQuantizationType[t.name]] == (block, nbytes), t
+def test_value_type_ids_match_gguf_py():
     assert {t.name: t.value for t in ValueType} == {t.name: t.value for t in gguf_py.GGUFValueType}
 
 
@@ -304,75 +299,6 @@ def test_llama_cpp_rejects_the_malformed_files_too(ggml, tmp_path):
             ggml.gguf_free(loaded[0])
             ggml.ggml_free(loaded[1])
         assert (loaded is not None) == (case in _STRICTER_THAN_LLAMA_CPP), case
-
-
-# ------------------------------------------------------------------------------------------------ Q8_0
-
-def _q8_cases():
-    rng = np.random.default_rng(2)
-    half = np.concatenate([[127.0], np.arange(-15.5, 15.5, 1.0)])  # amax 127 -> d = 1: products at exact .5
-    halves2 = np.concatenate([[254.0], np.arange(-61.0, 0.0, 2.0)])  # d = 2: odd values land on .5
-    return {
-        "gaussian": rng.standard_normal((8, 256)),
-        "heavy_tailed": rng.standard_cauchy((8, 256)),
-        "zeros": np.zeros((2, 64)),
-        "constant": np.full((2, 64), 3.0),
-        "negative_constant": np.full((1, 96), -0.7),
-        "tiny": rng.standard_normal((4, 64)) * 1e-30,
-        "huge": rng.standard_normal((4, 64)) * 1e30,  # scale overflows fp16 to inf, as in llama.cpp
-        "half_boundaries": np.stack([half, -half, halves2, np.full(32, 0.49999997)]),
-        "one_big_value": np.where(np.arange(64) == 5, 1e4, rng.standard_normal(64)),
-    }
-
-
-@pytest.mark.parametrize("case", list(_q8_cases()))
-def test_q8_0_matches_gguf_package(case):
-    x = _q8_cases()[case].astype(np.float32)
-    ours = quantize_q8_0(x)
-    assert ours.dtype == np.uint8 and ours.shape == (*x.shape[:-1], x.shape[-1] // 32 * 34)
-    with np.errstate(over="ignore", invalid="ignore"):
-        assert ours.tobytes() == gguf_py.quants.quantize(x, Q8).tobytes()
-        theirs = gguf_py.quants.dequantize(ours, Q8)
-    np.testing.assert_array_equal(dequantize_q8_0(ours), theirs)
-
-
-def test_q8_0_rounds_halves_away_from_zero():
-    x = np.zeros(32, np.float32)
-    x[:5] = [127.0, 0.5, -0.5, 2.5, -2.5]  # d = 1
-    q = quantize_q8_0(x)[2:7].view(np.int8)
-    assert q.tolist() == [127, 1, -1, 3, -3]  # numpy's round() would give 0, -0, 2, -2
-
-
-@settings(max_examples=150, deadline=None)
-@given(hnp.arrays(np.float32, st.tuples(st.integers(1, 3), st.integers(1, 4).map(lambda n: 32 * n)),
-                  elements=st.floats(-1e6, 1e6, width=32)))
-def test_q8_0_property_matches_gguf_package(x):
-    amax = np.abs(x.reshape(-1, 32)).max(axis=1)
-    x[np.repeat((amax > 0) & (amax < 1e-35), 32).reshape(x.shape)] = 0  # llama.cpp is undefined there
-    with np.errstate(under="ignore"):
-        assert quantize_q8_0(x).tobytes() == gguf_py.quants.quantize(x, Q8).tobytes()
-    err = np.abs(dequantize_q8_0(quantize_q8_0(x)) - x).reshape(-1, 32)
-    # With a normal fp16 scale d the error is half a step plus |q| <= 127 times d's fp16 rounding (2**-11 d).
-    d = amax[:, None] / 127
-    normal = d[:, 0] >= 2.0**-14
-    assert np.all(err[normal] <= (d * (0.5 + 127 * 2.0**-11) * 1.001)[normal])
-
-
-@settings(max_examples=50, deadline=None)
-@given(st.binary(min_size=34 * 3, max_size=34 * 3))
-def test_q8_0_dequantize_any_bytes_matches_gguf_package(raw):
-    blocks = np.frombuffer(raw, np.uint8).reshape(1, -1)
-    with np.errstate(invalid="ignore", over="ignore"):
-        theirs = gguf_py.quants.dequantize(blocks, Q8)
-    np.testing.assert_array_equal(dequantize_q8_0(blocks), theirs)
-
-
-@pytest.mark.parametrize("shape", [(), (0,), (31,), (4, 33)])
-def test_q8_0_rejects_bad_shapes(shape):
-    with pytest.raises(ValueError, match="multiple of 32"):
-        quantize_q8_0(np.ones(shape, np.float32))
-    with pytest.raises(ValueError, match="multiple of 34"):
-        dequantize_q8_0(np.zeros((2, 35), np.uint8))
 
 
 # ----------------------------------------------------------------------------------- property tests

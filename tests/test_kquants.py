@@ -5,22 +5,28 @@ format, the 6-bit scale packing, and corrupt input."""
 
 from __future__ import annotations
 
+import sysconfig
 import zlib
 
 import ggml_oracle
 import gguf
+import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import random_kquant_blocks
 from gguf import quants
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from ref_impl.engine.checkpoint import load
+from ref_impl.engine.random import random_blocks
+from ref_impl.formats import gguf as our_gguf
 from ref_impl.formats import kquants
+from ref_impl.formats.kquants import dequantize_q8_0, quantize_q8_0
 
 TYPES = ["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 K_TYPES = ["Q4_K", "Q5_K", "Q6_K"]
+Q8 = gguf.GGMLQuantizationType.Q8_0
 
 
 def oracle(data: np.ndarray, name: str) -> np.ndarray:
@@ -45,9 +51,9 @@ def test_dequantize_equals_llama_cpp_on_any_bytes(name, shape):
     assert np.array_equal(ours, ggml_oracle.dequantize(data, name), equal_nan=True), f"seed {seed}"
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])   # conftest has no Q5_K generator
+@pytest.mark.parametrize("name", K_TYPES)
 def test_dequantize_plausible_weights(name):
-    data = random_kquant_blocks(name, 8, 512, np.random.default_rng(0))
+    data = random_blocks(name, 8, 512, np.random.default_rng(0))
     ours = kquants.DEQUANTIZE[name](data)
     assert ours.shape == (8, 512) and np.isfinite(ours).all() and np.abs(ours).max() < 2
     assert np.array_equal(ours, oracle(data, name))
@@ -78,13 +84,7 @@ def test_decoder_runs_a_llama_cpp_q4_k_m_file(llama_q4_k_m):
     """Expanded to floats, a llama.cpp Q4_K_M file decodes as llama.cpp decodes it: the same top-1
     token at >= 95% of the positions of held-out text (llama.cpp also rounds the activations to 8
     bits in its dot products, so logits differ by more than float error)."""
-    import sysconfig
-
     import llama_cpp
-    import mlx.core as mx
-
-    from ref_impl.engine.model import load
-    from ref_impl.formats import gguf as our_gguf
 
     with our_gguf.read(llama_q4_k_m) as f:
         types = {t.type.name for t in f.tensors.values()}
@@ -192,8 +192,6 @@ def test_k_quants_write_llama_cpps_bytes_for_subnormal_input(fma_free_oracle, na
 def test_quantize_shipped_weights_like_llama_cpp(fma_free_oracle, shipped_model, name, tensor):
     """Real weights. Rows of 384 are no multiple of 256; the *_ref functions only see blocks, so the
     K-quants get the tensor flattened (llama.cpp itself would write Q5_0 for such a Q4_K tensor)."""
-    from ref_impl.formats import gguf as our_gguf
-
     with our_gguf.read(shipped_model) as f:
         w = np.array(f.array(tensor), dtype=np.float32)
     if name in K_TYPES:
@@ -247,7 +245,7 @@ def test_quantize_keeps_leading_dimensions(fma_free_oracle, name):
 
 def test_nearest_int_rounds_halves_to_even():
     v = np.array([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 0.49999997, 14.5, 15.5, -0.0, 4194303.0], np.float32)
-    assert kquants._nearest_int(v).tolist() == np.rint(v).astype(int).tolist()
+    assert kquants.nearest_int(v).tolist() == np.rint(v).astype(int).tolist()
 
 
 # ------------------------------------------------------------------- error bounds from the formats
@@ -390,3 +388,72 @@ def test_dequantize_rejects_truncated_and_mistyped_data(name):
     for bad in (good.view(np.int8), good.astype(np.float32), np.uint8(7)):
         with pytest.raises(ValueError, match=f"{name} data must be uint8"):
             kquants.DEQUANTIZE[name](bad)
+
+
+# ------------------------------------------------------------------------------------------------ Q8_0
+
+def _q8_cases():
+    rng = np.random.default_rng(2)
+    half = np.concatenate([[127.0], np.arange(-15.5, 15.5, 1.0)])  # amax 127 -> d = 1: products at exact .5
+    halves2 = np.concatenate([[254.0], np.arange(-61.0, 0.0, 2.0)])  # d = 2: odd values land on .5
+    return {
+        "gaussian": rng.standard_normal((8, 256)),
+        "heavy_tailed": rng.standard_cauchy((8, 256)),
+        "zeros": np.zeros((2, 64)),
+        "constant": np.full((2, 64), 3.0),
+        "negative_constant": np.full((1, 96), -0.7),
+        "tiny": rng.standard_normal((4, 64)) * 1e-30,
+        "huge": rng.standard_normal((4, 64)) * 1e30,  # scale overflows fp16 to inf, as in llama.cpp
+        "half_boundaries": np.stack([half, -half, halves2, np.full(32, 0.49999997)]),
+        "one_big_value": np.where(np.arange(64) == 5, 1e4, rng.standard_normal(64)),
+    }
+
+
+@pytest.mark.parametrize("case", list(_q8_cases()))
+def test_q8_0_matches_gguf_package(case):
+    x = _q8_cases()[case].astype(np.float32)
+    ours = quantize_q8_0(x)
+    assert ours.dtype == np.uint8 and ours.shape == (*x.shape[:-1], x.shape[-1] // 32 * 34)
+    with np.errstate(over="ignore", invalid="ignore"):
+        assert ours.tobytes() == quants.quantize(x, Q8).tobytes()
+        theirs = quants.dequantize(ours, Q8)
+    np.testing.assert_array_equal(dequantize_q8_0(ours), theirs)
+
+
+def test_q8_0_rounds_halves_away_from_zero():
+    x = np.zeros(32, np.float32)
+    x[:5] = [127.0, 0.5, -0.5, 2.5, -2.5]  # d = 1
+    q = quantize_q8_0(x)[2:7].view(np.int8)
+    assert q.tolist() == [127, 1, -1, 3, -3]  # numpy's round() would give 0, -0, 2, -2
+
+
+@settings(max_examples=150, deadline=None)
+@given(hnp.arrays(np.float32, st.tuples(st.integers(1, 3), st.integers(1, 4).map(lambda n: 32 * n)),
+                  elements=st.floats(-1e6, 1e6, width=32)))
+def test_q8_0_property_matches_gguf_package(x):
+    amax = np.abs(x.reshape(-1, 32)).max(axis=1)
+    x[np.repeat((amax > 0) & (amax < 1e-35), 32).reshape(x.shape)] = 0  # llama.cpp is undefined there
+    with np.errstate(under="ignore"):
+        assert quantize_q8_0(x).tobytes() == quants.quantize(x, Q8).tobytes()
+    err = np.abs(dequantize_q8_0(quantize_q8_0(x)) - x).reshape(-1, 32)
+    # With a normal fp16 scale d the error is half a step plus |q| <= 127 times d's fp16 rounding (2**-11 d).
+    d = amax[:, None] / 127
+    normal = d[:, 0] >= 2.0**-14
+    assert np.all(err[normal] <= (d * (0.5 + 127 * 2.0**-11) * 1.001)[normal])
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.binary(min_size=34 * 3, max_size=34 * 3))
+def test_q8_0_dequantize_any_bytes_matches_gguf_package(raw):
+    blocks = np.frombuffer(raw, np.uint8).reshape(1, -1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        theirs = quants.dequantize(blocks, Q8)
+    np.testing.assert_array_equal(dequantize_q8_0(blocks), theirs)
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (31,), (4, 33)])
+def test_q8_0_rejects_bad_shapes(shape):
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_q8_0(np.ones(shape, np.float32))
+    with pytest.raises(ValueError, match="multiple of 34"):
+        dequantize_q8_0(np.zeros((2, 35), np.uint8))

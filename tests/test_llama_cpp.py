@@ -20,11 +20,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ref_impl.engine.checkpoint import load, save
 from ref_impl.engine.generate import Sampler, generate_step
-from ref_impl.engine.model import Model, ModelArgs, load, save
+from ref_impl.engine.model import Model, ModelArgs
 from ref_impl.engine.tokenizer import train_tokenizer
 from ref_impl.formats import gguf
-from ref_impl.training.train import TrainConfig, split_of, stdlib_files
+from ref_impl.training.corpus import split_of, stdlib_files
+from ref_impl.training.models import TrainConfig
 
 ATOL = 1e-3            # float32 against float32: measured differences are ~1e-5
 GREEDY_STEPS = 32
@@ -256,7 +258,7 @@ SAVED_VARIANTS = {
 
 @pytest.mark.parametrize("variant", list(SAVED_VARIANTS))
 def test_saved_model_matches_llama_cpp(tmp_path, small_tokenizer, variant):
-    """A random model written by ref_impl.engine.model.save loads in llama.cpp and gives our logits."""
+    """A random model written by ref_impl.engine.checkpoint.save loads in llama.cpp and gives our logits."""
     args = ModelArgs(vocab_size=small_tokenizer.vocab_size, hidden_size=64, num_hidden_layers=2,
                      intermediate_size=96, max_position_embeddings=64, **SAVED_VARIANTS[variant])
     path = tmp_path / f"{variant}.gguf"

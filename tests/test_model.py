@@ -9,7 +9,8 @@ from conftest import write_random_llama
 from numpy_reference import forward as np_forward
 from numpy_reference import load as np_load
 
-from ref_impl.engine.model import ModelArgs, gguf_to_mlx_name, load, load_model, mlx_to_gguf_name, save
+from ref_impl.engine.checkpoint import gguf_to_mlx_name, load, load_model, mlx_to_gguf_name, save
+from ref_impl.engine.model import ModelArgs
 from ref_impl.engine.tokenizer import train_tokenizer
 from ref_impl.formats import gguf
 

@@ -7,10 +7,12 @@ llama.cpp picks and the very same bytes.
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
-from ref_impl.formats import gguf, quantize
+from ref_impl.engine.checkpoint import load_model, simulate
+from ref_impl.formats import gguf, kquants, quantize
 from tests.conftest import write_random_llama
 
 
@@ -91,8 +93,6 @@ def test_bad_requests(models, tmp_path):
 
 def test_roundtrip_across_rows_is_the_blockwise_round_trip():
     """Rows of 384 hold 1.5 super-blocks: the simulation quantizes the flat run of 256-value blocks."""
-    from ref_impl.formats import kquants
-
     x = np.random.default_rng(0).standard_normal((4, 384)).astype(np.float32)
     flat = kquants.dequantize_q4_k(kquants.quantize_q4_k(x.reshape(6, 256))).reshape(4, 384)
     assert np.array_equal(quantize.roundtrip(x, "Q4_K"), flat)
@@ -112,14 +112,10 @@ def test_relative_error_orders_the_formats():
 
 
 def test_simulate_changes_only_the_selected_matrices(models):
-    import mlx.core as mx
-
-    from ref_impl.engine.model import load_model
-
     path = models["tied-8"]
     with gguf.read(path) as f:
         base = load_model(f, mx.float32)
-    sim = quantize.simulate(path, "Q4_0", lambda n: "ffn_down" in n)
+    sim = simulate(path, "Q4_0", lambda n: "ffn_down" in n)
     with gguf.read(path) as f:
         w = f.array("blk.3.ffn_down.weight")
     assert np.array_equal(np.array(sim.layers[3].mlp.down_proj.weight), quantize.roundtrip(w, "Q4_0"))

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from ref_impl.engine import speculative
+from ref_impl.engine.checkpoint import load
 from ref_impl.engine.generate import Sampler, decode_one_token, generate_step, prefill
-from ref_impl.engine.model import load
 from ref_impl.engine.speculative import (
     Drafter,
     accept,

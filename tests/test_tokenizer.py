@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ref_impl.engine.tokenizer import EOT, PRE_TOKENIZERS, TOKEN_CONTROL, TOKEN_NORMAL, Tokenizer, train_tokenizer
+from ref_impl.formats import gguf as our_gguf
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 TRAIN_FILES = ["textwrap.py", "string.py", "fnmatch.py", "shlex.py", "bisect.py", "colorsys.py"]
@@ -227,13 +228,11 @@ def test_pre_tokenizers_differ(tok):
 
 def test_ref_impl_gguf_file(tok, tmp_path, samples):
     """The course's own GGUF writer and reader carry the vocabulary to llama.cpp and back."""
-    from ref_impl.formats import gguf
-
     llama_cpp = pytest.importorskip("llama_cpp")
     arch, tensors = tiny_llama(tok.vocab_size)
     path = tmp_path / "tiny.gguf"
-    gguf.write(path, {**arch, **tok.gguf_metadata()}, tensors)
-    with gguf.read(path) as f:
+    our_gguf.write(path, {**arch, **tok.gguf_metadata()}, tensors)
+    with our_gguf.read(path) as f:
         again = Tokenizer.from_gguf_metadata(f.metadata)
     assert again.gguf_metadata() == tok.gguf_metadata()
     llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)

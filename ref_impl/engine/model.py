@@ -20,15 +20,14 @@ See chapter: intro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ref_impl.engine.kvcache import KVCache
-from ref_impl.engine.tokenizer import Tokenizer
+from ref_impl.engine.kvcache import Cache
+from ref_impl.engine.kvquant import FLOAT, make_caches
 from ref_impl.formats import gguf
 from ref_impl.theory.shapes import ModelShape
 
@@ -163,14 +162,19 @@ class Attention(nn.Module):
         return mx.fast.rope(x, self.head_dim, traditional=True, base=base, scale=1.0,
                             offset=offset, freqs=self._rope_freqs)
 
-    def __call__(self, x: mx.array, mask=None, cache: KVCache | None = None) -> mx.array:
+    def qkv(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """The query, key and value projections of x (kernels.patch may set one fused launch in its place)."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def __call__(self, x: mx.array, mask=None, cache: Cache | None = None) -> mx.array:
         B, L, _ = x.shape
-        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)     # (B,H,L,D)
-        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)  # (B,Hkv,L,D)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k, v = self.qkv(x)
+        q = q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)     # (B,H,L,D)
+        k = k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)  # (B,Hkv,L,D)
+        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         offset = cache.offset if cache is not None else 0
         q, k = self.rope(q, offset), self.rope(k, offset)
-        if getattr(cache, "fused", False):   # a quantized cache that attends on its packed codes (kvquant)
+        if cache is not None and cache.attends == "fused":   # the cache stores k, v and attends (kvcache.Cache)
             out = cache.attend(q, k, v, self.scale, mask)
         else:
             if cache is not None:
@@ -198,7 +202,7 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, mask=None, cache: KVCache | None = None) -> mx.array:
+    def __call__(self, x: mx.array, mask=None, cache: Cache | None = None) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), mask, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -213,11 +217,11 @@ class Model(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    def __call__(self, tokens: mx.array, cache: list[KVCache] | None = None) -> mx.array:
+    def __call__(self, tokens: mx.array, cache: list[Cache] | None = None) -> mx.array:
         """Logits (B, L, vocab_size) for tokens (B, L), continuing after what `cache` holds."""
         return self.logits(self.hidden(tokens, cache))
 
-    def hidden(self, tokens: mx.array, cache: list[KVCache] | None = None) -> mx.array:
+    def hidden(self, tokens: mx.array, cache: list[Cache] | None = None) -> mx.array:
         """The last hidden states (B, L, hidden_size), after the final norm: what the LM head reads
         (and what mtp.py's multi-token-prediction heads read)."""
         h = self.embed_tokens(tokens)
@@ -233,118 +237,16 @@ class Model(nn.Module):
             return self.embed_tokens.as_linear(h)
         return self.lm_head(h)
 
-    def make_cache(self, max_size: int | None = None, batch: int = 1) -> list[KVCache]:
-        """One pre-allocated KV cache per layer, for up to max_size positions (default: the context length)."""
+    def make_cache(self, max_size: int | None = None, batch: int = 1, scheme: str = FLOAT, **params) -> list[Cache]:
+        """One KV cache per layer for this model, for up to max_size positions (default: the context length):
+        kvquant.make_caches of `scheme` (default the pre-allocated float KVCache; params go to it)."""
         a = self.args
         size = max_size or a.max_position_embeddings
         dtype = self.norm.weight.dtype  # embed_tokens.weight may be quantized codes
-        return [KVCache(batch, a.num_key_value_heads, a.head_dim, size, dtype)
-                for _ in range(a.num_hidden_layers)]
-
-
-# GGUF tensor names (llama.cpp) -> this module's parameter names (Hugging Face / mlx-lm style).
-GGUF_TOP_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
-GGUF_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-
-
-def gguf_to_mlx_name(name: str) -> str:
-    """'blk.3.attn_q.weight' -> 'layers.3.self_attn.q_proj.weight'."""
-    parts = name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in GGUF_BLOCK_NAMES:
-        return f"layers.{parts[1]}.{GGUF_BLOCK_NAMES[parts[2]]}.{parts[3]}"
-    if len(parts) == 2 and parts[0] in GGUF_TOP_NAMES:
-        return f"{GGUF_TOP_NAMES[parts[0]]}.{parts[1]}"
-    raise ValueError(f"unexpected tensor {name!r} in a llama GGUF file")
-
-
-def mlx_to_gguf_name(name: str) -> str:
-    """The inverse of gguf_to_mlx_name."""
-    stem, leaf = name.rsplit(".", 1)
-    if stem.startswith("layers."):
-        _, i, sub = stem.split(".", 2)
-        block = {m: g for g, m in GGUF_BLOCK_NAMES.items()}
-        if sub in block:
-            return f"blk.{i}.{block[sub]}.{leaf}"
-    top = {m: g for g, m in GGUF_TOP_NAMES.items()}
-    if stem in top:
-        return f"{top[stem]}.{leaf}"
-    raise ValueError(f"no GGUF name for parameter {name!r}")
-
-
-def _to_mlx(f: gguf.GGUFFile, name: str, dtype: mx.Dtype) -> mx.array:
-    info = f.tensors[name]
-    if info.type in (gguf.GGMLType.F32, gguf.GGMLType.F16):
-        return mx.array(f.array(name)).astype(dtype)
-    if info.type == gguf.GGMLType.BF16:
-        return mx.array(f.array(name)).view(mx.bfloat16).astype(dtype)
-    return mx.array(f.dequantize(name)).astype(dtype)
+        return make_caches(scheme, a.num_hidden_layers, batch, a.num_key_value_heads, a.head_dim, size, dtype,
+                           **params)
 
 
 def default_dtype() -> mx.Dtype:
     """float32 on the CPU (MLX's CPU half-precision matmuls are slow), float16 on a GPU."""
     return mx.float32 if mx.default_device() == mx.cpu else mx.float16
-
-
-def gguf_weight_names(f: gguf.GGUFFile, model: Model) -> dict[str, str]:
-    """GGUF tensor name -> model parameter name for every weight in f, after checking that the file
-    holds exactly the model's tensors in the model's shapes (rope_freqs, read into args, is left out)."""
-    expected = dict(nn.utils.tree_flatten(model.parameters()))
-    names = {}
-    for name, info in f.tensors.items():
-        if name == "rope_freqs.weight":
-            continue
-        mlx_name = gguf_to_mlx_name(name)
-        if mlx_name not in expected:
-            raise ValueError(f"tensor {name!r} does not belong to a {model.args.num_hidden_layers}-layer model")
-        if tuple(info.shape) != tuple(expected[mlx_name].shape):
-            raise ValueError(f"tensor {name!r} has shape {info.shape}, "
-                             f"the model expects {tuple(expected[mlx_name].shape)}")
-        names[name] = mlx_name
-    missing = sorted(set(expected) - set(names.values()))
-    if missing:
-        raise ValueError(f"GGUF file lacks tensors for: {', '.join(missing[:5])}"
-                         + (" ..." if len(missing) > 5 else ""))
-    return names
-
-
-def load_model(f: gguf.GGUFFile, dtype: mx.Dtype | None = None, quantized: bool = False) -> Model:
-    """Build a Model from an open GGUF file, weights cast to dtype; quantized=True keeps quantized
-    tensors quantized (transcode.py: MLX QuantizedLinear layers) instead of expanding them."""
-    if quantized:
-        from ref_impl.engine import transcode  # transcode builds on this module
-        return transcode.load_model(f, dtype)
-    factors = None
-    if "rope_freqs.weight" in f.tensors:
-        factors = tuple(f.dequantize("rope_freqs.weight").astype(float).tolist())
-    args = ModelArgs.from_gguf(f.metadata, f.tensors, factors)
-    dtype = dtype or default_dtype()
-    model = Model(args)
-    names = gguf_weight_names(f, model)
-    model.load_weights([(mlx_name, _to_mlx(f, name, dtype)) for name, mlx_name in names.items()])
-    mx.eval(model.parameters())
-    return model
-
-
-def load(path: str | Path, dtype: mx.Dtype | None = None, quantized: bool = False) -> tuple[Model, Tokenizer]:
-    """Load a llama-architecture GGUF file: the model and its tokenizer (quantized: see load_model)."""
-    with gguf.read(path) as f:
-        return load_model(f, dtype, quantized), Tokenizer.from_gguf_metadata(f.metadata)
-
-
-def save(model: Model, tokenizer: Tokenizer, path: str | Path, metadata: dict[str, Any] | None = None) -> None:
-    """Write model and tokenizer as a float32 llama GGUF file (llama.cpp loads it too)."""
-    if tokenizer.vocab_size != model.args.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model "
-                         f"{model.args.vocab_size}")
-    meta = {**model.args.gguf_metadata(), "general.file_type": 0,  # 0: all F32, llama.cpp's LLAMA_FTYPE_ALL_F32
-            **(metadata or {}), **tokenizer.gguf_metadata()}
-    tensors = {mlx_to_gguf_name(k): np.array(v.astype(mx.float32))
-               for k, v in nn.utils.tree_flatten(model.parameters())}
-    if model.args.rope_freq_factors is not None:
-        tensors["rope_freqs.weight"] = np.array(model.args.rope_freq_factors, dtype=np.float32)
-    gguf.write(path, meta, tensors)

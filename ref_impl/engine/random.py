@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ref_impl.engine import transcode
+from ref_impl.engine import checkpoint
 from ref_impl.engine.model import Model, ModelArgs, default_dtype
 from ref_impl.formats import gguf, quantize
 from ref_impl.theory.shapes import shape
@@ -112,7 +112,7 @@ def write_random_model(path: str | Path, args: ModelArgs, file_type: str = "Q4_K
 def random_gguf_model(name: str, args: ModelArgs, weight_type: str, work_dir: Path, seed: int = 0,
                       before_load: Callable[[Path], None] | None = None) -> tuple[Model, float]:
     """A random-weight model of args' shape as llama.cpp would type a `weight_type` file, written to a GGUF
-    in work_dir and loaded with its quantized tensors kept quantized (transcode.load_model); and its
+    in work_dir and loaded with its quantized tensors kept quantized (checkpoint.load_model); and its
     bits per weight. before_load(path) runs on the file first (a peer on the same file); the file is deleted
     once loaded."""
     path = write_random_model(work_dir / f"{name}-{weight_type}.gguf", args, weight_type, seed)
@@ -120,7 +120,7 @@ def random_gguf_model(name: str, args: ModelArgs, weight_type: str, work_dir: Pa
         if before_load is not None:
             before_load(path)
         with gguf.read(path) as f:
-            model = transcode.load_model(f, None)
+            model = checkpoint.load_model(f, None, quantized=True)
             weights = sum(int(np.prod(t.shape)) for t in f.tensors.values())
             nbytes = sum(t.nbytes for t in f.tensors.values())
     finally:

@@ -28,21 +28,19 @@ Exactness, measured by `transcode_error` (tests/test_transcode.py checks every c
 float32 scales every type but Q6_K decodes bit for bit as `kquants` decodes it (max diff 0.0): d*sc
 (17 significand bits), dmin*m and d*sc*q (21) are exact in float32, so MLX's `scales * q + biases`
 rounds once, where kquants' `scale * q - offset` rounds. float16 scales (a float16 model on a GPU)
-round d*sc and dmin*m to 11 bits, and mx.dequantize then computes in float16. On the shipped
-model's llama.cpp Q4_K_M: Q4_K max error 2.9e-4 (weights up to 0.25); Q5_0 and Q8_0 2.4e-4, twice
-the 1.2e-4 that rounding their exact values to float16 costs anyway (their scale and bias are
-exact; the product and the sum round separately). `mx.quantized_matmul` does accept float32 scales
-with float16 activations, but computes and returns float32, so the residual stream silently turns
-float32: scales are stored in the model dtype unless `scale_dtype` says otherwise.
+round d*sc and dmin*m to 11 bits, and mx.dequantize then computes in float16: Q5_0 and Q8_0 keep
+an exact scale and bias, but the product and the sum round separately, a little more than rounding
+the exact values to float16 costs anyway (the k-quants chapter measures it). `mx.quantized_matmul`
+does accept float32 scales with float16 activations, but computes and returns float32, so the
+residual stream silently turns float32: scales are stored in the model dtype unless `scale_dtype`
+says otherwise.
 
 Q6_K has 16-value sub-blocks with int8 scales s[j] and MLX has no group 16, so each group of 32
 spans two scales. Its exact values are integers v = s[j] q in units of d (|v| <= 4096), re-quantized
 to 8 bits over [vmin, vmax] of the group: with step g, the gcd of the two scales, when 255 steps of g
 span the group (then it is exact: equal scales always are), else with min-max's step span / 255,
-error <= step / 2. Measured on the shipped model's llama.cpp Q4_K_M (ffn_down of layers 2 and 5):
-max error 1.0e-3 (weights up to 0.44; 1.1e-3 with float16 scales), at most 0.41 of the value's Q6_K
-step; RMS 0.25 of the error Q6_K itself adds, so the error against the original float weights grows
-by 3.2%; 3% of groups are exact. Floats would be exact but cost 16 bits per weight against 9 (8-bit
+error <= step / 2, small against the error Q6_K itself adds (the k-quants chapter measures both on
+the shipped model). Floats would be exact but cost 16 bits per weight against 9 (8-bit
 codes plus a float16 scale and bias per 32), and Q6_K is a quarter of a Q4_K_M Llama-3.1-8B (1.3 of
 4.9 GB: the output matrix, attn_v and ffn_down in 16 of 32 layers), so 8 bits it is.
 Types with no native mapping (Q2_K and Q3_K with 16-value sub-blocks, the IQ codebooks) fall back
@@ -50,10 +48,10 @@ to floats, logged, and `plan` says so per tensor.
 
 Cost: MLX bits per weight are bits + 2 x 16 / 32 with float16 scales (4-bit 5.0, 5-bit 6.0, 8-bit
 9.0; float32 scales add 1.0), against Q4_K's 4.5, Q5_0's 5.5, Q8_0's 8.5 and Q6_K's 6.56. Repacking
-is vectorized numpy on all cores: a random Llama-3.1-8B-shaped Q4_K_M file (4.9 GB,
-`write_random_model`) transcodes in 6 s on 16 cores. On a CPU, MLX's quantized matmul is slower
-than float32 through OpenBLAS (the shipped Q4_K_M decodes at ~72 tokens/s quantized against ~120
-expanded), so `model.load` expands unless asked; on a GPU, reading ~3x fewer bytes is the point.
+is vectorized numpy on all cores, so a multi-GB file transcodes in seconds. On a CPU, MLX's quantized
+matmul is slower than float32 through OpenBLAS, so `checkpoint.load` expands unless asked; on a GPU,
+reading ~3x fewer bytes is the point. `swap_quantized` puts the layers into a model; checkpoint.py
+builds the model and loads the rest.
 
 References: MLX `mx.quantize` docs (affine mode); llama.cpp ggml-quants.c `dequantize_row_q4_K`,
 `dequantize_row_q5_K`, `dequantize_row_q6_K`; block layouts in kquants.py.
@@ -71,8 +69,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ref_impl.engine.model import Model, ModelArgs, default_dtype, gguf_weight_names
 from ref_impl.formats import gguf, kquants
+from ref_impl.formats.ggml import BLOCK, GGMLType
 
 GROUP = 32   # every mapping uses MLX group 32: the GGML (sub-)block size
 log = logging.getLogger(__name__)
@@ -255,15 +253,15 @@ def repack_q6_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return pack(q, 8), scale.astype(np.float32), bias.astype(np.float32)
 
 
-REPACK = {gguf.GGMLType.Q4_0: (4, repack_q4_0), gguf.GGMLType.Q4_1: (4, repack_q4_1),
-          gguf.GGMLType.Q5_0: (5, repack_q5_0), gguf.GGMLType.Q5_1: (5, repack_q5_1),
-          gguf.GGMLType.Q8_0: (8, repack_q8_0), gguf.GGMLType.Q4_K: (4, repack_q4_k),
-          gguf.GGMLType.Q5_K: (5, repack_q5_k), gguf.GGMLType.Q6_K: (8, repack_q6_k)}
-FLOAT_TYPES = (gguf.GGMLType.F32, gguf.GGMLType.F16, gguf.GGMLType.BF16)
+REPACK = {GGMLType.Q4_0: (4, repack_q4_0), GGMLType.Q4_1: (4, repack_q4_1),
+          GGMLType.Q5_0: (5, repack_q5_0), GGMLType.Q5_1: (5, repack_q5_1),
+          GGMLType.Q8_0: (8, repack_q8_0), GGMLType.Q4_K: (4, repack_q4_k),
+          GGMLType.Q5_K: (5, repack_q5_k), GGMLType.Q6_K: (8, repack_q6_k)}
+FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
 FLOAT_NAMES = {t.name for t in FLOAT_TYPES}
 
 
-def transcode_tensor(name: str, type: gguf.GGMLType, data: np.ndarray, shape: tuple[int, ...]) -> Affine:
+def transcode_tensor(name: str, type: GGMLType, data: np.ndarray, shape: tuple[int, ...]) -> Affine:
     """Rewrite one 2-D GGML tensor's blocks (uint8 (rows, row_bytes), as GGUFFile.array gives them)
     as MLX affine arrays. Large tensors are cut into row chunks repacked on all cores (numpy
     releases the GIL). Raises ValueError naming the tensor if it has no mapping or its rows are
@@ -275,7 +273,7 @@ def transcode_tensor(name: str, type: gguf.GGMLType, data: np.ndarray, shape: tu
     rows, n = shape
     if n % GROUP:
         raise ValueError(f"tensor {name!r}: row length {n} is not a multiple of the group size {GROUP}")
-    block_values, block_bytes = gguf.BLOCK[type]
+    block_values, block_bytes = BLOCK[type]
     if n % block_values or data.shape != (rows, n // block_values * block_bytes):
         raise ValueError(f"tensor {name!r}: {type.name} data of shape {data.shape} does not hold "
                          f"a ({rows}, {n}) matrix")
@@ -308,7 +306,7 @@ def plan(f: gguf.GGUFFile) -> dict[str, Plan]:
             bits, reason = None, "vectors (norms, rope factors) stay float"
         elif t in REPACK:
             bits = REPACK[t][0]
-            reason = ("re-quantized from 16-value sub-blocks (MLX has no group 16)" if t is gguf.GGMLType.Q6_K
+            reason = ("re-quantized from 16-value sub-blocks (MLX has no group 16)" if t is GGMLType.Q6_K
                       else "codes re-packed, exact")
         else:
             bits, reason = None, f"no MLX affine mapping for {t.name}: expanded to float"
@@ -316,37 +314,28 @@ def plan(f: gguf.GGUFFile) -> dict[str, Plan]:
     return out
 
 
-def load_model(f: gguf.GGUFFile, dtype: mx.Dtype | None = None, scale_dtype: mx.Dtype | None = None
-               ) -> Model:
-    """Build a Model whose quantized matrices stay quantized: QuantizedLinear/QuantizedEmbedding with
-    the file's bits, everything else float in `dtype`.
+def swap_quantized(model: nn.Module, f: gguf.GGUFFile, names: dict[str, str], scale_dtype: mx.Dtype
+                   ) -> dict[str, list[tuple[str, mx.array]]]:
+    """Swap every matrix of `model` that `f` holds in a mapped GGML type for a QuantizedLinear or
+    QuantizedEmbedding with the file's bits, and return the arrays to load into it, by GGUF name:
+    its codes, and its scales and biases in `scale_dtype` (float32 makes every mapping but Q6_K exact;
+    with float16 activations it also makes matmuls return float32).
 
-    Args:
-        dtype: float type of activations, norms and float tensors (default: model.default_dtype()).
-        scale_dtype: type of the affine scales and biases (default: dtype). float32 makes every
-            mapping but Q6_K exact; with float16 activations it also makes matmuls return float32.
-    Returns the model; `plan(f)` gives the table of what became what.
+    names: GGUF tensor name -> parameter name (checkpoint.gguf_weight_names). A matrix of a type with
+    no mapping is left as it is, to be loaded as floats like the norms, and logged; `plan(f)` gives
+    the table of what became what.
     """
-    dtype = dtype or default_dtype()
-    scale_dtype = scale_dtype or dtype
-    factors = None
-    if "rope_freqs.weight" in f.tensors:
-        factors = tuple(f.dequantize("rope_freqs.weight").astype(float).tolist())
-    args = ModelArgs.from_gguf(f.metadata, f.tensors, factors)
-    model = Model(args)
-    names = gguf_weight_names(f, model)                               # gguf name -> mlx parameter
     modules = dict(model.named_modules())
     table = plan(f)
     fallbacks = sorted({p.ggml_type for p in table.values()
                         if p.bits is None and len(p.shape) == 2 and p.ggml_type not in FLOAT_NAMES})
     if fallbacks:
-        log.warning("no MLX affine mapping for %s: those tensors are expanded to %s", ", ".join(fallbacks), dtype)
-    swaps, weights = [], []
+        log.warning("no MLX affine mapping for %s: those tensors are expanded to floats", ", ".join(fallbacks))
+    swaps, weights = [], {}
     for name, mlx_name in names.items():
-        p, info = table[name], f.tensors[name]
-        if p.bits is None:
-            weights.append((mlx_name, _float(f, name, dtype)))
+        if table[name].bits is None:
             continue
+        info = f.tensors[name]
         a = transcode_tensor(name, info.type, f.array(name), info.shape)
         path = mlx_name.rsplit(".", 1)[0]
         rows, n = info.shape
@@ -355,19 +344,11 @@ def load_model(f: gguf.GGUFFile, dtype: mx.Dtype | None = None, scale_dtype: mx.
         else:
             q = nn.QuantizedLinear(n, rows, bias=False, group_size=a.group_size, bits=a.bits)
         swaps.append((path, q))
-        weights += [(f"{path}.weight", mx.array(a.weight)),
-                    (f"{path}.scales", mx.array(a.scales).astype(scale_dtype)),
-                    (f"{path}.biases", mx.array(a.biases).astype(scale_dtype))]
+        weights[name] = [(f"{path}.weight", mx.array(a.weight)),
+                         (f"{path}.scales", mx.array(a.scales).astype(scale_dtype)),
+                         (f"{path}.biases", mx.array(a.biases).astype(scale_dtype))]
     model.update_modules(nn.utils.tree_unflatten(swaps))
-    model.load_weights(weights)
-    mx.eval(model.parameters())
-    return model
-
-
-def _float(f: gguf.GGUFFile, name: str, dtype: mx.Dtype) -> mx.array:
-    if f.tensors[name].type is gguf.GGMLType.F16:
-        return mx.array(f.array(name)).astype(dtype)
-    return mx.array(f.dequantize(name)).astype(dtype)
+    return weights
 
 
 def transcode_error(f: gguf.GGUFFile, name: str, scale_dtype: mx.Dtype = mx.float32) -> float:

@@ -23,18 +23,14 @@ so the innermost dimension must be a multiple of the type's block size.
 checked against the bytes actually left *before* anything is allocated, so a corrupt or hostile file
 raises `GGUFError` instead of allocating without bound.
 
-Metadata comes back as plain Python values: numbers, bools, str, and arrays as Python lists (lists of
-lists when nested). `GGUFFile.fields` keeps each value with its exact GGUF type, so
-`write(path, f.fields, {n: f.tensor_data(n) for n in f.tensors})` reproduces the file byte for byte.
-
 References: llama.cpp docs/gguf.md; ggml/src/gguf.cpp (the reader llama.cpp uses).
 See chapter: k-quants
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
-import math
 import mmap
 import os
 import struct
@@ -42,6 +38,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from ref_impl.formats.ggml import BLOCK, ELEMENT_DTYPE, GGMLType, tensor_nbytes  # noqa: F401 (gguf.BLOCK)
+from ref_impl.formats.kquants import DEQUANTIZE
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSION = 3
@@ -53,37 +52,6 @@ MAX_ARRAY_DEPTH = 8   # real files never nest; the cap keeps hostile files from 
 
 class GGUFError(ValueError):
     """A malformed GGUF file, or a request to write something GGUF cannot hold."""
-
-
-class GGMLType(enum.IntEnum):
-    """ggml tensor type ids (ggml.h `enum ggml_type`). Ids 4, 5, 31-33 and 36-38 were removed upstream."""
-    F32 = 0; F16 = 1; Q4_0 = 2; Q4_1 = 3; Q5_0 = 6; Q5_1 = 7; Q8_0 = 8; Q8_1 = 9  # noqa: E702
-    Q2_K = 10; Q3_K = 11; Q4_K = 12; Q5_K = 13; Q6_K = 14; Q8_K = 15  # noqa: E702
-    IQ2_XXS = 16; IQ2_XS = 17; IQ3_XXS = 18; IQ1_S = 19; IQ4_NL = 20; IQ3_S = 21; IQ2_S = 22  # noqa: E702
-    IQ4_XS = 23; I8 = 24; I16 = 25; I32 = 26; I64 = 27; F64 = 28; IQ1_M = 29; BF16 = 30  # noqa: E702
-    TQ1_0 = 34; TQ2_0 = 35; MXFP4 = 39; NVFP4 = 40; Q1_0 = 41  # noqa: E702
-
-
-# (elements per block, bytes per block). Every type's bytes are just whole blocks, so any of them can
-# be read raw; `dequantize` covers only the types implemented so far.
-BLOCK = {
-    GGMLType.F32: (1, 4), GGMLType.F16: (1, 2), GGMLType.BF16: (1, 2), GGMLType.F64: (1, 8),
-    GGMLType.I8: (1, 1), GGMLType.I16: (1, 2), GGMLType.I32: (1, 4), GGMLType.I64: (1, 8),
-    GGMLType.Q4_0: (32, 18), GGMLType.Q4_1: (32, 20), GGMLType.Q5_0: (32, 22), GGMLType.Q5_1: (32, 24),
-    GGMLType.Q8_0: (32, 34), GGMLType.Q8_1: (32, 36), GGMLType.IQ4_NL: (32, 18), GGMLType.MXFP4: (32, 17),
-    GGMLType.Q2_K: (256, 84), GGMLType.Q3_K: (256, 110), GGMLType.Q4_K: (256, 144),
-    GGMLType.Q5_K: (256, 176), GGMLType.Q6_K: (256, 210), GGMLType.Q8_K: (256, 292),
-    GGMLType.IQ2_XXS: (256, 66), GGMLType.IQ2_XS: (256, 74), GGMLType.IQ3_XXS: (256, 98),
-    GGMLType.IQ1_S: (256, 50), GGMLType.IQ3_S: (256, 110), GGMLType.IQ2_S: (256, 82),
-    GGMLType.IQ4_XS: (256, 136), GGMLType.IQ1_M: (256, 56), GGMLType.TQ1_0: (256, 54),
-    GGMLType.TQ2_0: (256, 66), GGMLType.NVFP4: (64, 36), GGMLType.Q1_0: (128, 18),
-}
-
-# Types whose elements are plain numbers get a typed view; numpy has no bfloat16, so BF16 is uint16.
-_ELEMENT_DTYPE = {
-    GGMLType.F32: "<f4", GGMLType.F16: "<f2", GGMLType.BF16: "<u2", GGMLType.F64: "<f8",
-    GGMLType.I8: "<i1", GGMLType.I16: "<i2", GGMLType.I32: "<i4", GGMLType.I64: "<i8",
-}
 
 
 class ValueType(enum.IntEnum):
@@ -130,32 +98,35 @@ class TensorData:
     data: bytes | np.ndarray
 
 
-def _pad(n: int, alignment: int) -> int:
-    return n + (-n % alignment)
-
-
-def tensor_nbytes(type: GGMLType, shape: tuple[int, ...], where: str = "tensor") -> int:
-    """Bytes of a tensor of numpy `shape`: whole blocks along each row (the last numpy axis)."""
-    block, block_bytes = BLOCK[type]
-    if shape[-1] % block:
-        raise GGUFError(f"{where}: row length {shape[-1]} is not a multiple of the {type.name} block size {block}")
-    return math.prod(shape[:-1]) * (shape[-1] // block) * block_bytes
-
-
-def _check_shape(shape: tuple[int, ...], where: str) -> None:
+def _tensor_nbytes(type: GGMLType, shape: tuple[int, ...], where: str) -> int:
+    """The bytes of a tensor, after checking its shape; every error a GGUFError naming the tensor."""
     if not 1 <= len(shape) <= MAX_DIMS:
         raise GGUFError(f"{where}: n_dims is {len(shape)}; ggml tensors have 1 to {MAX_DIMS} dimensions")
     if any(d <= 0 for d in shape):
         raise GGUFError(f"{where}: shape {shape} has a dimension that is not positive")
+    try:
+        return tensor_nbytes(type, shape)
+    except ValueError as e:
+        raise GGUFError(f"{where}: {e}") from None
 
 
 def _ggml_type(type_id: int, where: str) -> GGMLType:
-    if type_id not in GGMLType._value2member_map_:
-        raise GGUFError(f"{where}: unknown ggml type {type_id}")
-    return GGMLType(type_id)
+    try:
+        return GGMLType(type_id)
+    except ValueError:
+        raise GGUFError(f"{where}: unknown ggml type {type_id}") from None
 
 
-def _check_alignment(alignment: Any) -> int:
+def _alignment(fields: dict[str, Value], requested: Any = None) -> int:
+    """The data alignment: the stored general.alignment (which must be a UINT32), else `requested`, else 32."""
+    stored = fields.get("general.alignment")
+    if stored is not None:
+        if stored.type is not ValueType.UINT32:
+            raise GGUFError(f"general.alignment must be UINT32, not {stored.type.name}")
+        if requested is not None and requested != stored.value:
+            raise GGUFError(f"alignment={requested} contradicts general.alignment={stored.value}")
+        requested = stored.value
+    alignment = DEFAULT_ALIGNMENT if requested is None else requested
     if not isinstance(alignment, (int, np.integer)) or not 0 < alignment < 2**32 or alignment & (alignment - 1):
         raise GGUFError(f"general.alignment {alignment!r} is not a power of two below 2**32")
     return int(alignment)
@@ -236,8 +207,10 @@ def _plain(v: Value) -> Any:
 class GGUFFile:
     """A parsed GGUF file holding its memory map; tensor arrays are views into that map.
 
-    metadata: plain values; metadata_types: each key's ValueType; fields: typed Values (array item
-    types included) that `write` accepts as they are; tensors: TensorInfo by name, in file order.
+    metadata: plain values (arrays as lists, lists of lists when nested); metadata_types: each key's
+    ValueType; fields: typed Values (array item types included) that `write` accepts as they are, so
+    `write(path, f.fields, {n: f.tensor_data(n) for n in f.tensors})` reproduces the file byte for byte;
+    tensors: TensorInfo by name, in file order.
     """
 
     def __init__(self, path: str, buf: mmap.mmap, version: int, fields: dict[str, Value],
@@ -259,8 +232,8 @@ class GGUFFile:
         """Zero-copy read-only view: F32/F16 as float32/float16, BF16 as uint16 in `shape`;
         block-quantized types as uint8 of shape (*shape[:-1], row_bytes)."""
         info = self._info(name)
-        if info.type in _ELEMENT_DTYPE:
-            dtype, shape = np.dtype(_ELEMENT_DTYPE[info.type]), info.shape
+        if info.type in ELEMENT_DTYPE:
+            dtype, shape = np.dtype(ELEMENT_DTYPE[info.type]), info.shape
         else:
             dtype, shape = np.dtype(np.uint8), (*info.shape[:-1], tensor_nbytes(info.type, info.shape[-1:]))
         view = np.frombuffer(self._mm, dtype, count=info.nbytes // dtype.itemsize, offset=info.offset)
@@ -278,7 +251,6 @@ class GGUFFile:
             return self.array(name).astype(np.float32)
         if info.type is GGMLType.BF16:  # bf16 is the top half of a float32
             return (self.array(name).astype(np.uint32) << 16).view(np.float32)
-        from ref_impl.formats.kquants import DEQUANTIZE  # imported here: kquants builds on this module
         if info.type.name in DEQUANTIZE:
             return DEQUANTIZE[info.type.name](self.array(name)).reshape(info.shape)
         raise GGUFError(f"unsupported type {info.type.name} for tensor {name!r}: dequantize handles "
@@ -301,10 +273,8 @@ class GGUFFile:
 
 
 def _release(buf: mmap.mmap) -> None:
-    try:
+    with contextlib.suppress(BufferError):  # numpy views still point into the map; it is unmapped when they die
         buf.close()
-    except BufferError:  # numpy views still point into the map; it is unmapped when they die
-        pass
 
 
 def read(path: str | os.PathLike) -> GGUFFile:
@@ -347,11 +317,7 @@ def _parse(path: str, buf: mmap.mmap) -> GGUFFile:
             raise GGUFError(f"duplicate metadata key {key!r} (entry {i})")
         fields[key] = r.value(r.value_type(f"metadata {key!r} type"), f"metadata {key!r}")
 
-    alignment = DEFAULT_ALIGNMENT
-    if "general.alignment" in fields:
-        if fields["general.alignment"].type is not ValueType.UINT32:
-            raise GGUFError(f"general.alignment must be UINT32, not {fields['general.alignment'].type.name}")
-        alignment = _check_alignment(fields["general.alignment"].value)
+    alignment = _alignment(fields)
 
     # name length 8 + n_dims 4 + ne >= 8 + type 4 + offset 8
     r.need(n_tensors * 32, f"tensor count {n_tensors} (at least 32 bytes each)")
@@ -364,14 +330,13 @@ def _parse(path: str, buf: mmap.mmap) -> GGUFFile:
             raise GGUFError(f"{where}: n_dims is {n_dims}; ggml tensors have 1 to {MAX_DIMS} dimensions")
         ne = struct.unpack(f"<{n_dims}q", r.take(8 * n_dims, f"{where} dimensions"))  # int64, as ggml reads
         shape = ne[::-1]
-        _check_shape(shape, where)
         ggml_type = _ggml_type(r.u32(f"{where} type"), where)
         offset = r.u64(f"{where} offset")
         if offset % alignment:
             raise GGUFError(f"{where}: data offset {offset} is not a multiple of the alignment {alignment}")
-        infos.append((name, ggml_type, shape, offset, tensor_nbytes(ggml_type, shape, where)))
+        infos.append((name, ggml_type, shape, offset, _tensor_nbytes(ggml_type, shape, where)))
 
-    data_offset = _pad(r.pos, alignment)
+    data_offset = r.pos + -r.pos % alignment
     tensors: dict[str, TensorInfo] = {}
     for name, ggml_type, shape, offset, nbytes in infos:
         if name in tensors:
@@ -507,8 +472,7 @@ def _tensor_plan(name: Any, t: Any) -> tuple[GGMLType, tuple[int, ...], memoryvi
         data = np.ascontiguousarray(t.data) if isinstance(t.data, np.ndarray) else t.data
     else:
         raise GGUFError(f"{where}: expected a numpy array or TensorData, got {type(t).__name__}")
-    _check_shape(shape, where)
-    nbytes = tensor_nbytes(ggml_type, shape, where)
+    nbytes = _tensor_nbytes(ggml_type, shape, where)
     try:
         view = memoryview(data).cast("B")
     except TypeError:
@@ -537,16 +501,9 @@ def write(path: str | os.PathLike, metadata: dict[str, Any], tensors: dict[str, 
     for key, v in metadata.items():
         _encode_string(key, f"metadata key {key!r}")
         fields[key] = _infer(v, f"metadata {key!r}")
-    if "general.alignment" in fields:
-        stored = fields["general.alignment"]
-        if stored.type is not ValueType.UINT32:
-            raise GGUFError(f"general.alignment must be UINT32, not {stored.type.name}")
-        if alignment is not None and alignment != stored.value:
-            raise GGUFError(f"alignment={alignment} contradicts general.alignment={stored.value}")
-        alignment = stored.value
-    elif alignment is not None and alignment != DEFAULT_ALIGNMENT:
+    alignment = _alignment(fields, alignment)
+    if alignment != DEFAULT_ALIGNMENT and "general.alignment" not in fields:
         fields["general.alignment"] = Value(ValueType.UINT32, alignment)
-    alignment = _check_alignment(DEFAULT_ALIGNMENT if alignment is None else alignment)
 
     # Encode and validate everything before touching the disk, so errors leave no half-written file.
     kv_bytes = b"".join(_encode_string(k, k) + struct.pack("<I", v.type) + _encode_value(v, f"metadata {k!r}")
@@ -567,7 +524,7 @@ def write(path: str | os.PathLike, metadata: dict[str, Any], tensors: dict[str, 
                 f.write(struct.pack("<I", len(shape)))               # n_dims
                 f.write(struct.pack(f"<{len(shape)}Q", *shape[::-1]))  # ne, innermost first
                 f.write(struct.pack("<IQ", ggml_type, offset))       # type, offset
-                offset += _pad(data.nbytes, alignment)
+                offset += data.nbytes + -data.nbytes % alignment
             f.write(bytes(-f.tell() % alignment))  # zero padding up to the data section
             for ggml_type, shape, data in plan.values():
                 f.write(data)
@@ -605,23 +562,17 @@ def layout(path: str | os.PathLike) -> list[Region]:
         r = _Cursor(f._mm)
         regions = []
 
-        def span(kind: str, name: str, start: int) -> None:
+        def span(kind: str, name: str, skip) -> None:   # skip() reads past the region
+            start = r.pos
+            skip()
             regions.append(Region(kind, name, start, r.pos - start))
 
         for field, n in (("magic", 4), ("version", 4), ("tensor_count", 8), ("metadata_count", 8)):
-            start = r.pos
-            r.take(n, field)
-            span("header", field, start)
+            span("header", field, lambda: r.take(n, field))
         for key in f.fields:
-            start = r.pos
-            r.string("key")
-            r.value(r.value_type("type"), key)
-            span("metadata", key, start)
-        for name in f.tensors:
-            start = r.pos
-            r.string("name")
-            r.take(8 * r.u32("n_dims") + 12, name)   # ne, type (u32), offset (u64)
-            span("tensor_info", name, start)
+            span("metadata", key, lambda: (r.string("key"), r.value(r.value_type("type"), key)))
+        for name in f.tensors:   # name, n_dims, ne, type (u32), offset (u64)
+            span("tensor_info", name, lambda: (r.string("name"), r.take(8 * r.u32("n_dims") + 12, name)))
         pos, label = r.pos, "before the data section"
         for info in sorted(f.tensors.values(), key=lambda t: t.offset):
             if info.offset < pos:

@@ -45,8 +45,7 @@ accumulated one term at a time (numpy's pairwise `sum` differs), `nearest_int` r
 even and fp16 conversion rounding to nearest even. The FMA trap: a llama.cpp compiled with FMA
 contraction (`-march=native` under GCC's default `-ffp-contract=fast`, or clang on Apple silicon)
 fuses `a*b + c` into one rounding, and the scale search then picks a different candidate in some
-blocks (about 1% of Q4_K blocks of Gaussian data when only the sums are fused; reportedly ~6% for
-a real -march=native build). Our reference is the non-FMA build (llama-cpp-python's libggml-base),
+blocks (the k-quants chapter counts them). Our reference is the non-FMA build (llama-cpp-python's libggml-base),
 and we match it byte for byte.
 
 Non-finite input (inf, nan) raises ValueError naming its first position: llama.cpp would write a
@@ -61,7 +60,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ref_impl.formats.gguf import BLOCK, GGMLType
+from ref_impl.formats.ggml import BLOCK, GGMLType
 
 f32 = np.float32
 QK8_0 = 32          # values per Q8_0 block
@@ -70,7 +69,7 @@ GROUP_MAX_EPS = f32(1e-15)  # below this max|x| a sub-block counts as all zero (
 
 
 def _size(name: str) -> tuple[int, int]:
-    """(values, bytes) per block of GGML type `name`, from gguf.BLOCK."""
+    """(values, bytes) per block of GGML type `name`, from ggml.BLOCK."""
     return BLOCK[GGMLType[name]]
 
 
@@ -111,7 +110,7 @@ def _roundf(x: np.ndarray) -> np.ndarray:
     return np.trunc(x + np.copysign(0.5, x))
 
 
-def _nearest_int(v: np.ndarray) -> np.ndarray:
+def nearest_int(v: np.ndarray) -> np.ndarray:
     """ggml-quants.c nearest_int: add 1.5 * 2**23 in float32 and read the low mantissa bits, which
     rounds halves to even for |v| < 2**22 (and gives llama.cpp's own answer beyond, 0 for nan)."""
     bits = (v.astype(np.float32) + f32(12582912.0)).view(np.int32)
@@ -257,12 +256,12 @@ def _make_qkx2_quants(x, w, nmax: int, rmin: float, rdelta: float, nstep: int):
     lo = np.where(lo > 0, f32(0), lo)              # the range always includes 0
     iscale = f32(nmax) / (hi - lo)
     scale = f32(1) / iscale
-    best_q = _clamp(_nearest_int(iscale * (x - lo)), 0, nmax).astype(np.float32)
+    best_q = _clamp(nearest_int(iscale * (x - lo)), 0, nmax).astype(np.float32)
     best = _weighted_sse(scale, best_q, lo, x, w)
     mn = lo
     for step in range(nstep + 1):                  # try nmax + rmin + rdelta*step steps across the range
         iscale = (f32(rmin) + f32(rdelta) * f32(step) + f32(nmax)) / (hi - mn)
-        q = _clamp(_nearest_int(iscale * (x - mn)), 0, nmax).astype(np.float32)
+        q = _clamp(nearest_int(iscale * (x - mn)), 0, nmax).astype(np.float32)
         wq = w * q
         sum_l, sum_l2, sum_xl = _seqsum(wq), _seqsum(wq * q), _seqsum(wq * x)
         det = sum_w * sum_l2 - sum_l * sum_l       # least squares for x ~ this_scale*q + this_min
@@ -290,12 +289,12 @@ def _qkx_blocks(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int
     inv_scale = np.where(max_scale > 0, f32(63) / max_scale, f32(0))
     inv_min = np.where(max_min > 0, f32(63) / max_min, f32(0))
     # 6-bit scales against the largest one; nearest_int lands in a uint8_t (mod 256) before MIN(63, .)
-    ls = np.minimum(63, _nearest_int(inv_scale[:, None] * scales) & 0xFF)
-    lm = np.minimum(63, _nearest_int(inv_min[:, None] * mins) & 0xFF)
+    ls = np.minimum(63, nearest_int(inv_scale[:, None] * scales) & 0xFF)
+    lm = np.minimum(63, nearest_int(inv_min[:, None] * mins) & 0xFF)
     d16, dmin16 = (max_scale / f32(63)).astype("<f2"), (max_min / f32(63)).astype("<f2")
     d = (d16.astype(np.float32)[:, None] * ls.astype(np.float32))[:, :, None]      # (n, 8, 1)
     dm = (dmin16.astype(np.float32)[:, None] * lm.astype(np.float32))[:, :, None]
-    requant = _clamp(_nearest_int((x.reshape(n, 8, 32) + dm) / d), 0, nmax)
+    requant = _clamp(nearest_int((x.reshape(n, 8, 32) + dm) / d), 0, nmax)
     q = np.where(d != 0, requant, q.T.reshape(n, 8, 32)).astype(np.uint8)  # d == 0 keeps the search's q
     head = np.concatenate([d16.view(np.uint8).reshape(n, 2), dmin16.view(np.uint8).reshape(n, 2),
                            pack_scales_q4_k(ls, lm)], axis=1)
@@ -336,7 +335,7 @@ def _make_qx_quants(x: np.ndarray, nmax: int):
     wx = w * x
 
     def trial(iscale):
-        q = _clamp(_nearest_int(iscale * x), -nmax, nmax - 1).astype(np.float32)
+        q = _clamp(nearest_int(iscale * x), -nmax, nmax - 1).astype(np.float32)
         return q, _seqsum(wx * q), _seqsum(w * q * q)
 
     best_q, sumlx, suml2 = trial(f32(-nmax) / vmax)
@@ -366,9 +365,9 @@ def _q6_k_blocks(x: np.ndarray) -> np.ndarray:
     iscale = f32(-128) / max_scale                             # the largest scale maps to -128
     d16 = (f32(1) / iscale).astype("<f2")
     # MIN(127, nearest_int(.)) stored in an int8_t: wraps mod 256
-    sc = (np.minimum(127, _nearest_int(iscale[:, None] * scales.reshape(n, 16))) & 0xFF).astype(np.uint8)
+    sc = (np.minimum(127, nearest_int(iscale[:, None] * scales.reshape(n, 16))) & 0xFF).astype(np.uint8)
     d = (d16.astype(np.float32)[:, None] * sc.view(np.int8).astype(np.float32))[:, :, None]   # (n, 16, 1)
-    requant = _clamp(_nearest_int(x.reshape(n, 16, 16) / d), -32, 31) + 32
+    requant = _clamp(nearest_int(x.reshape(n, 16, 16) / d), -32, 31) + 32
     q = np.where(d != 0, requant, q.T.reshape(n, 16, 16)).astype(np.uint8).reshape(n, 2, 4, 32)
     low = q & 0x0F
     ql = np.concatenate([low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)], axis=2)
@@ -478,6 +477,6 @@ def dequantize_q6_k(blocks: np.ndarray) -> np.ndarray:
 # GGML type name -> dequantizer, for gguf.GGUFFile.dequantize
 DEQUANTIZE = {"Q8_0": dequantize_q8_0, "Q4_0": dequantize_q4_0, "Q5_0": dequantize_q5_0,
               "Q4_K": dequantize_q4_k, "Q5_K": dequantize_q5_k, "Q6_K": dequantize_q6_k}
-# GGML type name -> quantizer, float32 (..., n) -> uint8 (..., row_bytes); block sizes are gguf.BLOCK's
+# GGML type name -> quantizer, float32 (..., n) -> uint8 (..., row_bytes); block sizes are ggml.BLOCK's
 QUANTIZE = {"Q8_0": quantize_q8_0, "Q4_0": quantize_q4_0, "Q5_0": quantize_q5_0,
             "Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k}

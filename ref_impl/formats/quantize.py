@@ -23,14 +23,15 @@ See chapter: super-blocks
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
 from dataclasses import dataclass
 
 import numpy as np
 
 from ref_impl.formats import gguf, kquants
-
-QK_K = 256  # values per K-quant super-block
+from ref_impl.formats.ggml import GGMLType, block_size
 
 
 @dataclass(frozen=True)
@@ -67,16 +68,12 @@ def use_more_bits(i_layer: int, n_layers: int) -> bool:
     return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
 
 
-def _block_size(type_name: str) -> int:
-    return gguf.BLOCK[gguf.GGMLType[type_name]][0]
-
-
 def _fallback(type_name: str, row: int) -> str:
     """The type llama.cpp uses when `row` values do not fill whole blocks of `type_name`."""
-    if row % _block_size(type_name) == 0:
+    if row % block_size(type_name) == 0:
         return type_name
     smaller = FALLBACK.get(type_name, type_name)
-    return smaller if row % _block_size(smaller) == 0 else "F16"
+    return smaller if row % block_size(smaller) == 0 else "F16"
 
 
 def llama_order(names) -> list[str]:
@@ -110,7 +107,7 @@ def tensor_types(tensors: dict[str, gguf.TensorInfo], file_type: str) -> dict[st
         row = info.shape[-1]
         if quantized and ft.mixture:  # llama_tensor_get_type_impl, for the llama architecture
             if name == "output.weight" or (tied and name == "token_embd.weight"):
-                if row % _block_size(new):
+                if row % block_size(new):
                     new = "Q8_0"
                 elif new != "Q8_0":
                     new = "Q6_K"
@@ -125,7 +122,8 @@ def tensor_types(tensors: dict[str, gguf.TensorInfo], file_type: str) -> dict[st
     return types
 
 
-def _as_float32(f: gguf.GGUFFile, name: str) -> np.ndarray:
+def as_float32(f: gguf.GGUFFile, name: str) -> np.ndarray:
+    """Tensor `name` of a float file as float32; a ValueError if it is already quantized."""
     info = f.tensors[name]
     if info.type.name not in ("F32", "F16", "BF16"):
         raise ValueError(f"tensor {name!r} is already {info.type.name}; quantize from an F32, F16 or "
@@ -141,7 +139,7 @@ def convert(x: np.ndarray, type_name: str) -> np.ndarray | gguf.TensorData:
         return x.astype(np.float16)
     if type_name not in kquants.QUANTIZE:
         raise ValueError(f"no quantizer for {type_name}; have {', '.join(kquants.QUANTIZE)}")
-    return gguf.TensorData(gguf.GGMLType[type_name], x.shape, kquants.QUANTIZE[type_name](x))
+    return gguf.TensorData(GGMLType[type_name], x.shape, kquants.QUANTIZE[type_name](x))
 
 
 def quantize_file(src: str | os.PathLike, dst: str | os.PathLike, file_type: str) -> dict[str, str]:
@@ -156,7 +154,7 @@ def quantize_file(src: str | os.PathLike, dst: str | os.PathLike, file_type: str
             if types[name] == f.tensors[name].type.name:
                 tensors[name] = f.tensor_data(name)
             else:
-                tensors[name] = convert(_as_float32(f, name), types[name])
+                tensors[name] = convert(as_float32(f, name), types[name])
         gguf.write(dst, meta, tensors)
     return types
 
@@ -166,7 +164,7 @@ def roundtrip(x: np.ndarray, type_name: str) -> np.ndarray:
     holds no whole block (the shipped model's rows of 384 against 256-value super-blocks), blocks
     run on across rows: a simulation of the format, since llama.cpp would fall back to another type."""
     x = np.asarray(x, dtype=np.float32)
-    block = _block_size(type_name)
+    block = block_size(type_name)
     if x.size % block:
         raise ValueError(f"{x.size} values do not fill whole {type_name} blocks of {block}")
     rows = x.reshape(-1, block) if x.shape[-1] % block else x
@@ -190,39 +188,22 @@ def tensor_kind(name: str) -> str:
     return name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]
 
 
-def simulate(path: str | os.PathLike, type_name: str, select=lambda name: True):
-    """The float model at `path` with the matrices whose GGUF names `select` accepts replaced by their
-    round trip through `type_name` (float32 weights): isolates what one format does to chosen layers."""
-    import mlx.core as mx
-
-    from ref_impl.engine.model import gguf_to_mlx_name, load_model
-
-    with gguf.read(path) as f:
-        model = load_model(f, mx.float32)
-        chosen = [n for n, t in f.tensors.items() if len(t.shape) == 2 and select(n)]
-        model.load_weights([(gguf_to_mlx_name(n), mx.array(roundtrip(_as_float32(f, n), type_name)))
-                            for n in chosen], strict=False)
-    return model
-
-
 def with_llama_cpp(src: str | os.PathLike, dst: str | os.PathLike, file_type: str) -> dict[str, str]:
     """The same job done by llama.cpp itself (llama-cpp-python's `llama_model_quantize`, one thread,
     its log silenced): the oracle our files are compared with. Returns each tensor's type."""
-    import ctypes
-
-    import llama_cpp
-    from llama_cpp import _logger
+    import llama_cpp  # its import routes llama.cpp's log through the "llama-cpp-python" logger
 
     if file_type not in FILE_TYPES:
         raise ValueError(f"unknown file type {file_type!r}; choose one of {', '.join(FILE_TYPES)}")
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype, params.pure, params.nthread = FILE_TYPES[file_type].ftype, file_type == "Q4_K", 1
-    level = _logger.logger.level
-    _logger.set_verbose(False)
+    logger = logging.getLogger("llama-cpp-python")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
     try:
         if llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(dst), ctypes.byref(params)) != 0:
             raise RuntimeError(f"llama.cpp could not quantize {src} to {file_type}")
     finally:
-        _logger.logger.setLevel(level)
+        logger.setLevel(level)
     with gguf.read(dst) as f:
         return {n: t.type.name for n, t in f.tensors.items()}
