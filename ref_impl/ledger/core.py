@@ -1,0 +1,176 @@
+"""What the chapters' claims share: the Claim and Verdict records, evidence with units, the results
+reader, and the ledger's HTML table.
+
+A claim keeps its seed sentence verbatim, the seed file it comes from, and the chapter that teaches
+its mechanism. A check returns a `Verdict`: confirmed; qualified (true under the condition it
+names); refuted; not testable here (with the reason and the closest portable measurement); or
+pending (its chapter is not written yet). Evidence is a dict of named numbers, each with its unit.
+Recorded measurements come from results/*.json through `results`, the one reader of that folder
+(a test points `RESULTS_DIR` here at an empty folder to see what a fresh clone gets).
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ref_impl import MODELS_DIR, RESULTS_DIR
+from ref_impl.measure.records import read_results
+
+SEEDS = ("000_8c45ce1e9e68affe.txt", "001_71c9d8b5ea64f620.txt")  # in ../shared/seeds/
+CHAPTERS = ("roofline", "signalling", "interconnect", "gguf", "kquants", "dispatch", "kv-cache", "speculative")
+STATUSES = ("confirmed", "qualified", "refuted", "not testable here", "pending")
+SHIPPED_MODEL = MODELS_DIR / "stdlib-10m.gguf"
+
+
+@dataclass(frozen=True)
+class Number:
+    """One piece of evidence: a value and its unit."""
+    value: float
+    unit: str
+
+    def __str__(self) -> str:
+        v = self.value
+        text = f"{v:,.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 10 else f"{v:#.3g}"
+        return f"{text} {self.unit}"
+
+
+@dataclass
+class Verdict:
+    """What a check concluded, the numbers it rests on, when the claim holds, and where the numbers come from."""
+    status: str                 # one of STATUSES
+    summary: str                # one sentence
+    evidence: dict[str, Number] = field(default_factory=dict)
+    condition: str = ""         # under which the claim holds
+    source: str = ""            # the machine that measured, or where the numbers come from
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One seed claim: its id, home chapter, short form, verbatim sentence and seed file, and its check."""
+    id: str
+    chapter: str                # one of CHAPTERS
+    short: str
+    quote: str                  # the seed sentence, verbatim
+    seed: str                   # its file in ../shared/seeds/
+    check: Callable[[bool], Verdict] | None = None
+
+
+def claim(cid: str, chapter: str, check: Callable[[bool], Verdict], short: str, quote: str) -> Claim:
+    """The Claim record of seed claim `cid`: C01-C16 come from SEEDS[0], C17-C32 from SEEDS[1]."""
+    return Claim(cid, chapter, short, quote, SEEDS[int(cid[1:]) > 16], check)
+
+
+# ---- recorded results ------------------------------------------------------------------------------
+
+def results(experiment: str) -> list[tuple[str, dict, dict]]:
+    """(file name, machine, record) of every record of one experiment in results/*.json, oldest file first."""
+    return read_results(experiment, RESULTS_DIR)
+
+
+def recorded(experiment: str, model: str) -> list[tuple[str, dict, dict]]:
+    """(file name, machine, record) of our own engine's records in results/*.json."""
+    return [(name, machine, r) for name, machine, r in results(experiment)
+            if r["model"] == model and r.get("peer") is None]
+
+
+def by_machine(experiment: str) -> dict[str, tuple[dict, list[dict]]]:
+    """Our records of one experiment, per machine label: (machine, records of its newest file)."""
+    files: dict[str, dict[str, tuple[dict, list[dict]]]] = {}
+    for name, machine, r in results(experiment):
+        if r.get("peer") is None:
+            files.setdefault(machine["label"], {}).setdefault(name, (machine, []))[1].append(r)
+    return {label: f[max(f)] for label, f in files.items()}
+
+
+TABLES = "roofline.HARDWARE (vendor datasheets), shapes.PUBLIC (config.json)"   # the sourced tables, as a source
+
+
+# ---- the ledger as a page ---------------------------------------------------------------------------
+
+def status_counts(rows: list[tuple[Claim, Verdict]]) -> dict[str, int]:
+    """How many claims have each status, in the order of STATUSES."""
+    return {s: sum(v.status == s for _, v in rows) for s in STATUSES}
+
+
+COLOURS = {"confirmed": "#009E73", "qualified": "#E69F00", "refuted": "#D55E00",   # Okabe-Ito, as viz
+           "not testable here": "#0072B2", "pending": "#777777"}
+
+# The book page (under book/, without suffix) that teaches each chapter's claims; the dispatch part has
+# four pages, so its claims name theirs. The ledger links every row to its page and the page back.
+CHAPTER_PAGES = {"roofline": "intro/roofline", "signalling": "signalling/gddr7-pam3",
+                 "interconnect": "signalling/thunderbolt-pcie", "gguf": "kquants/gguf-layout",
+                 "kquants": "kquants/super-blocks", "dispatch": "dispatch/command-buffers",
+                 "kv-cache": "kv-cache/kv-quantization", "speculative": "speculative/speculative-mtp"}
+PAGE_OF_CLAIM = {"C02": "dispatch/ttft-jitter", "C09": "dispatch/caching-workspaces",
+                 "C15": "dispatch/caching-workspaces", "C16": "dispatch/ttft-jitter",
+                 "C28": "dispatch/caching-workspaces"}
+
+
+def page_of(claim: Claim) -> str:
+    """The book page that checks `claim`, e.g. 'intro/roofline'."""
+    return PAGE_OF_CLAIM.get(claim.id) or CHAPTER_PAGES[claim.chapter]
+
+
+def first_sentence(text: str, min_words: int = 8) -> str:
+    """The reason a reader scans for: a verdict summary without its parenthetical asides, up to the end
+    of its first sentence, colon or semicolon, and on to the next while that leaves under `min_words`
+    words ("The mechanism is as stated:" alone would not say why a verdict is qualified)."""
+    text = text.strip()
+    while (shorter := re.sub(r"\s*\([^()]*\)", "", text)) != text:
+        text = shorter
+    parts = re.split(r"((?<=\.)\s+(?=[A-Z])|[;:]\s)", text)
+    head = parts[0]
+    for sep, clause in zip(parts[1::2], parts[2::2]):
+        if len(head.split()) >= min_words:
+            break
+        head += sep + clause
+    return head.rstrip(" .;:") + "."
+
+
+_LEDGER_CSS = """<style>
+table.claim-ledger {width: 100%; table-layout: fixed; border-collapse: collapse; font-size: 0.85em}
+table.claim-ledger th, table.claim-ledger td {vertical-align: top; padding: 6px 8px; overflow-wrap: anywhere}
+table.claim-ledger tbody tr {border-top: 1px solid #ddd}
+table.claim-ledger col.id {width: 4.5em} table.claim-ledger col.page {width: 8.5em}
+table.claim-ledger col.claim {width: 36%}
+table.claim-ledger .verdict {font-weight: bold; white-space: nowrap}
+table.claim-ledger details {margin-top: 4px; font-size: 0.92em}
+table.claim-ledger details dl {margin: 4px 0 0 0} table.claim-ledger details dd {margin-left: 1em}
+@media (max-width: 640px) {
+  table.claim-ledger colgroup {display: none}
+  table.claim-ledger thead {display: none}
+  table.claim-ledger tr, table.claim-ledger td {display: block; width: auto}
+  table.claim-ledger td {padding: 2px 6px}
+}
+</style>"""
+
+
+def ledger_html(rows: list[tuple[Claim, Verdict]]) -> str:
+    """The ledger as one escaped HTML table a reader scans: one row per claim with its id, page, short
+    form, verdict and one-sentence reason; the full verdict, evidence, condition, source and seed text
+    one click away. Row ids (`claim-C04`) and page links let a chapter and the ledger point at each other:
+    the links are relative to a page one folder below book/, as every chapter and the ledger are."""
+    e = html.escape
+    body = []
+    for c, v in rows:
+        page = page_of(c)
+        evidence = "".join(f"<li>{e(k)}: <b>{e(str(n))}</b></li>" for k, n in v.evidence.items())
+        more = [("Verdict", e(v.summary))]
+        more += [("Evidence", f"<ul>{evidence}</ul>")] if evidence else []
+        more += [("Holds when", e(v.condition))] if v.condition else []
+        more += [("Source", e(v.source))] if v.source else []
+        more += [("Seed text", f"<q>{e(c.quote)}</q> ({e(c.seed)})")]
+        details = "".join(f"<dt>{k}</dt><dd>{d}</dd>" for k, d in more)
+        body.append(
+            f"<tr id='claim-{c.id}'><td><a href='../appendix/ledger.html#claim-{c.id}'><b>{c.id}</b></a></td>"
+            f"<td><a href='../{page}.html'>{e(page.split('/')[-1])}</a></td><td>{e(c.short)}</td>"
+            f"<td><span class='verdict' style='color:{COLOURS[v.status]}'>{e(v.status)}</span>: "
+            f"{e(first_sentence(v.summary))}"
+            f"<details><summary>evidence, condition, source</summary><dl>{details}</dl></details></td></tr>")
+    cols = "".join(f"<col class='{k}'>" for k in ("id", "page", "claim", "verdict"))
+    head = "".join(f"<th>{h}</th>" for h in ("Claim", "Page", "What it says", "Verdict and reason"))
+    return (f"{_LEDGER_CSS}<table class='claim-ledger'><colgroup>{cols}</colgroup>"
+            f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>")
