@@ -35,8 +35,8 @@ def cmd_generate(a: argparse.Namespace) -> None:
     import mlx.core as mx
 
     from ref_impl import kernels
+    from ref_impl.engine.checkpoint import load
     from ref_impl.engine.generate import Sampler, generate
-    from ref_impl.engine.model import load
 
     sampler = Sampler(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed)  # checks before loading
     # MLX's quantized matmuls pay off on a GPU; on the CPU its float32 BLAS path is faster (see k-quants)
@@ -90,7 +90,6 @@ def cmd_inspect(a: argparse.Namespace) -> None:
 def cmd_quantize(a: argparse.Namespace) -> None:
     from collections import Counter
 
-
     types = quantize_file(a.input, a.output, a.type)
     with gguf.read(a.input) as src, gguf.read(a.output) as dst:
         before = sum(t.nbytes for t in src.tensors.values())
@@ -102,12 +101,12 @@ def cmd_quantize(a: argparse.Namespace) -> None:
 
 
 def cmd_train(a: argparse.Namespace) -> None:
-    from ref_impl.training.train import config_for, train
+    from ref_impl.training.models import config_for, train
 
     if bool(a.stdlib) != bool(a.corpus_python):
         raise ValueError("--stdlib and --corpus-python go together (the log records the corpus's version)")
     if a.mtp:  # MTP heads on a frozen model (mtp.py); the corpus and its split are the model's
-        from ref_impl.engine.mtp import MTPConfig, train_heads
+        from ref_impl.training.heads import MTPConfig, train_heads
 
         given = {"steps": a.steps, "seed": a.seed, "stdlib": a.stdlib, "corpus_python": a.corpus_python}
         log = train_heads(MTPConfig(base=a.mtp, **{k: v for k, v in given.items() if v is not None}),
@@ -125,142 +124,20 @@ def cmd_train(a: argparse.Namespace) -> None:
 def cmd_bench(a: argparse.Namespace) -> None:
     import tempfile
 
-    from ref_impl.engine.random import args_for
-    from ref_impl.measure.bench import bench_decode, bench_dispatch, bench_link, bench_quant, bench_shape
     from ref_impl.measure.records import write_results
+    from ref_impl.measure.suites import SUITES, chosen
 
+    suite = SUITES[chosen(a)]
     with tempfile.TemporaryDirectory(dir=a.work_dir) as work:
-        if a.dispatch:
-            records = bench_dispatch(Path(a.model), a.shapes, a.quick,
-                                     progress=lambda msg: print(msg, file=sys.stderr, flush=True))
-        elif a.spec:
-            from ref_impl.measure.bench import bench_spec
-            heads = Path(a.mtp_heads or Path(a.model).with_name(Path(a.model).stem + "-mtp.gguf"))
-            records = bench_spec(Path(a.model), Path(a.draft), heads if a.mtp_heads or heads.is_file() else None,
-                                 a.quick, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
-        elif a.kv:
-            from ref_impl.measure.bench import bench_kv
-            records = bench_kv(Path(a.model), a.shapes, a.quick,
-                               progress=lambda msg: print(msg, file=sys.stderr, flush=True))
-        elif a.link:
-            records = bench_link(a.link_budget, a.link_max_bytes)
-        elif a.unified:
-            from ref_impl.measure.bench import bench_unified
-            records = bench_unified(a.unified_max_bytes)
-        elif a.alignment:
-            from ref_impl.measure.bench import bench_alignment
-            records = bench_alignment(a.alignment_budget)
-        elif a.quant_groups:
-            from ref_impl.measure.bench import bench_quant_groups
-            if a.ppl_tokens <= 0:
-                raise ValueError("bench --quant-groups measures perplexity: --ppl-tokens must be positive")
-            records = bench_quant_groups(Path(a.model), "Q4_K", a.ppl_tokens)
-        elif a.quant:
-            records = bench_quant(Path(a.model), Path(work), a.quant, a.ppl_tokens, a.prompt_len, a.gen_tokens,
-                                  a.repeats, peers=not a.no_peers)
-        elif a.kernels:
-            from ref_impl.measure.bench import bench_kernels
-            shape = a.shape or "Llama-3.1-8B"
-            records = bench_kernels(shape, args_for(shape), a.weights, Path(work), a.prompt_len, a.gen_tokens,
-                                    a.repeats, llama_bench_binary=Path(a.llama_bench) if a.llama_bench else None,
-                                    quick=a.quick, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
-        elif a.shape:
-            records = bench_shape(a.shape, args_for(a.shape), a.weights, Path(work), a.prompt_len, a.gen_tokens,
-                                  a.repeats)
-        else:
-            records = bench_decode(Path(a.model), a.prompt_len, a.gen_tokens, a.repeats, peers=not a.no_peers)
+        records = suite.run(a, Path(work), lambda msg: print(msg, file=sys.stderr, flush=True))
     path = write_results(records, Path(a.out), "python -m ref_impl " + shlex.join(sys.argv[1:]), a.label)
-    for r in records if not (a.dispatch or a.kernels or a.spec or a.kv) else []:
-        if r["metric"] in ("tokens_per_s", "ttft_ms", "heldout_perplexity", "bits_per_weight",
-                           "bandwidth", "bandwidth_fraction"):
-            who = r["peer"] or "ours" + (f" ({r['variant']})" if r.get("variant") else "")
-            print(f"  {r['weights'] or '':<7} {who:<44} {r['metric']:<18} {r['value']:10.3f} {r['unit']}")
-    largest = max((r.get("bytes") or 0) for r in records)
-    for r in records if a.link else []:
-        if (r["metric"] == "copy_bandwidth" and r["bytes"] == largest) or r["metric"] in ("completion_ms", "transfer_us",
-                                                                                         "skipped"):
-            print(f"  {r['variant']:<40} {r['metric']:<16} {r['value']:10.3f} {r['unit']} {r.get('note', '')}")
-    for r in records if a.unified else []:
-        if r["metric"] in ("shares_memory", "writes_seen", "skipped") or (r.get("bytes") == largest and r["metric"] in (
-                "convert_us", "convert_bandwidth", "read_bandwidth", "export_us")):
-            value = "-" if r["value"] is None else f"{r['value']:.3f}"
-            print(f"  {r['variant']:<44} {r['metric']:<17} {value:>10} {r['unit']} {r.get('note', '')}")
-    for r in records if a.kernels else []:
-        if r["metric"] in ("speedup", "tokens_per_s", "kernels_per_token", "overhead_us_per_kernel", "greedy_agreement",
-                           "skipped", "peer_error"):
-            value = "-" if r["value"] is None else f"{r['value']:.3f}"
-            where = f"{tuple(r['shape'])} rows {r['rows']}" if "shape" in r else r["experiment"]
-            print(f"  {r['weights'] or '':<7} {where:<26} {r['variant'] or '':<36} {r['metric']:<22} {value:>10} "
-                  f"{r['unit'] or ''} {r.get('note', '')}")
-    for r in records if a.spec else []:
-        if r["metric"] == "speedup" or (r["metric"] == "alpha" and r["experiment"] == "spec-alpha" and r["gamma"] is None):
-            drafter = r["drafter"] + (f" alpha={r['alpha_set']}" if r.get("alpha_set") is not None else "")
-            where = f"gamma={r['gamma']}" if r["gamma"] is not None else f"T={r['temperature']}"
-            print(f"  {r['experiment']:<11} {r['model']:<13} {drafter:<28} {where:<9} {r['metric']:<8} {r['value']:8.3f}")
-    for r in records if a.kv else []:
-        if r["metric"] in ("ppl_delta", "retrieval_rate", "bytes_per_token", "vs_float", "crossover_context",
-                           "skipped"):
-            value = "-" if r["value"] is None else f"{r['value']:.3f}"
-            print(f"  {r['experiment']:<9} {r['model']:<13} {r['kv']:<12} {r['variant'] or '':<11} "
-                  f"{r['context'] or '':>6} {r['metric']:<17} {value:>10} {r['unit'] or ''} {r.get('note', '')}")
-    for r in records if a.dispatch else []:
-        if r["metric"] in ("gain", "slowdown", "launch_us", "break_even_elements", "itl_max_ms", "first_over_steady"):
-            value = "-" if r["value"] is None else f"{r['value']:.3f}"
-            print(f"  {r['experiment']:<19} {r['model'] or '':<13} {r['variant'] or '':<16} {r['metric']:<20} "
-                  f"{value:>10} {r['unit']}")
+    for line in suite.show(records):
+        print(line)
     print(f"wrote {path}")
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ref_impl", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
-
-    g = sub.add_parser("generate", help="continue a prompt with a GGUF model")
-    g.add_argument("--model", required=True, help="a llama-architecture GGUF file")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temp", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
-                   help="default: float32 on CPU, float16 on GPU")
-    g.add_argument("--sync", action="store_true", help="wait for each token (no async_eval pipelining)")
-    g.add_argument("--weights", choices=["auto", "native", "float"], default="auto",
-                   help="quantized tensors as MLX quantized matrices (native) or expanded to floats; "
-                        "auto: native on a GPU, float on the CPU")
-    g.add_argument("--kernels", choices=["auto", "on", "off"], default="auto",
-                   help="our CUDA GEMV kernels (ref_impl/kernels/) where a measurement at load finds them faster "
-                        "than MLX's built-ins; auto: on MLX's CUDA backend only; on: fail elsewhere")
-    g.add_argument("--compile", action="store_true",
-                   help="trace one decode step with mx.compile and replay it at every position (less host time "
-                        "per token where the host limits decode)")
-    g.set_defaults(run=cmd_generate)
-
-    i = sub.add_parser("inspect", help="print a GGUF file's metadata and tensor table")
-    i.add_argument("path")
-    i.add_argument("--mlx", action="store_true", help="also show how each tensor is held in MLX")
-    i.set_defaults(run=cmd_inspect)
-
-    q = sub.add_parser("quantize", help="quantize a float GGUF model as llama.cpp's llama-quantize does")
-    q.add_argument("input", help="an F32, F16 or BF16 llama GGUF file")
-    q.add_argument("output")
-    q.add_argument("--type", default="Q4_K_M", choices=list(FILE_TYPES),
-                   help="a llama.cpp file type; Q4_K is every matrix Q4_K (llama.cpp's --pure Q4_K_S)")
-    q.set_defaults(run=cmd_quantize)
-
-    t = sub.add_parser("train", help="train the tokenizer and a model on the standard library")
-    t.add_argument("--preset", default="stdlib-10m")
-    t.add_argument("--out", default="models")
-    t.add_argument("--steps", type=int)
-    t.add_argument("--seed", type=int)
-    t.add_argument("--stdlib", help="train on another Python's Lib/ directory (default: this Python's)")
-    t.add_argument("--corpus-python", help="the version of the Python whose Lib/ --stdlib names")
-    t.add_argument("--quiet", action="store_true")
-    t.add_argument("--mtp", metavar="MODEL", help="train multi-token-prediction heads on this frozen GGUF model "
-                                                  "instead (writes <name>-mtp.gguf; --preset is ignored)")
-    t.set_defaults(run=cmd_train)
-
+def add_bench(sub) -> None:
+    """The bench command's flags: each suite's switch (measure/suites.py) and its sizes."""
     b = sub.add_parser("bench", help="measure decode speed (and peers) and write results/*.json")
     b.add_argument("--model", default="models/stdlib-10m.gguf")
     b.add_argument("--prompt-len", type=int, default=128)
@@ -314,6 +191,59 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--label", help="machine label for the file name (default: host-backend)")
     b.add_argument("--out", default="results")
     b.set_defaults(run=cmd_bench)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ref_impl", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="continue a prompt with a GGUF model")
+    g.add_argument("--model", required=True, help="a llama-architecture GGUF file")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temp", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="default: float32 on CPU, float16 on GPU")
+    g.add_argument("--sync", action="store_true", help="wait for each token (no async_eval pipelining)")
+    g.add_argument("--weights", choices=["auto", "native", "float"], default="auto",
+                   help="quantized tensors as MLX quantized matrices (native) or expanded to floats; "
+                        "auto: native on a GPU, float on the CPU")
+    g.add_argument("--kernels", choices=["auto", "on", "off"], default="auto",
+                   help="our CUDA GEMV kernels (ref_impl/kernels/) where a measurement at load finds them faster "
+                        "than MLX's built-ins; auto: on MLX's CUDA backend only; on: fail elsewhere")
+    g.add_argument("--compile", action="store_true",
+                   help="trace one decode step with mx.compile and replay it at every position (less host time "
+                        "per token where the host limits decode)")
+    g.set_defaults(run=cmd_generate)
+
+    i = sub.add_parser("inspect", help="print a GGUF file's metadata and tensor table")
+    i.add_argument("path")
+    i.add_argument("--mlx", action="store_true", help="also show how each tensor is held in MLX")
+    i.set_defaults(run=cmd_inspect)
+
+    q = sub.add_parser("quantize", help="quantize a float GGUF model as llama.cpp's llama-quantize does")
+    q.add_argument("input", help="an F32, F16 or BF16 llama GGUF file")
+    q.add_argument("output")
+    q.add_argument("--type", default="Q4_K_M", choices=list(FILE_TYPES),
+                   help="a llama.cpp file type; Q4_K is every matrix Q4_K (llama.cpp's --pure Q4_K_S)")
+    q.set_defaults(run=cmd_quantize)
+
+    t = sub.add_parser("train", help="train the tokenizer and a model on the standard library")
+    t.add_argument("--preset", default="stdlib-10m")
+    t.add_argument("--out", default="models")
+    t.add_argument("--steps", type=int)
+    t.add_argument("--seed", type=int)
+    t.add_argument("--stdlib", help="train on another Python's Lib/ directory (default: this Python's)")
+    t.add_argument("--corpus-python", help="the version of the Python whose Lib/ --stdlib names")
+    t.add_argument("--quiet", action="store_true")
+    t.add_argument("--mtp", metavar="MODEL", help="train multi-token-prediction heads on this frozen GGUF model "
+                                                  "instead (writes <name>-mtp.gguf; --preset is ignored)")
+    t.set_defaults(run=cmd_train)
+
+    add_bench(sub)
     return p
 
 

@@ -9,11 +9,13 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from ref_impl.engine.model import load_model
+from ref_impl.engine.checkpoint import load_model
 from ref_impl.formats import gguf
-from ref_impl.measure import bench
-from ref_impl.measure.bench import bench_decode, forward_sweep
+from ref_impl.measure import peers, quant
+from ref_impl.measure.decode import bench_decode, bench_shape, forward_sweep, this_machine
+from ref_impl.measure.link import SIZES, measure_link
 from ref_impl.measure.records import recorded_copy_gbs, write_results
+from ref_impl.theory import roofline
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +63,6 @@ def test_bench_shape_reports_bytes_speed_and_bandwidth_share(tmp_path):
     """A tiny untied shape: bits per weight of each type, the bytes a step reads (every matrix and its
     scales, not the embedding table, plus the KV cache), and the share of bandwidth that implies."""
     from ref_impl.engine.model import ModelArgs
-    from ref_impl.measure.bench import bench_shape
 
     args = ModelArgs(256, 256, 2, 512, 4, 2, max_position_embeddings=64, tie_word_embeddings=False)
     recs = bench_shape("tiny", args, ["F16", "Q4_K"], tmp_path, prompt_len=4, gen_tokens=4, repeats=1)
@@ -94,10 +95,7 @@ def test_args_for_public_shapes():
 def test_bench_link_records_host_copies_in_the_one_shape(tmp_path):
     """The CPU part of `bench --link`: one numpy copy record per size up to max_bytes, GB/s with samples;
     without PyTorch and a GPU, one "skipped" record that says why instead of device copies."""
-    from ref_impl.measure.bench import bench_link
-    from ref_impl.theory.interconnect import SIZES
-
-    records = bench_link(budget_s=1.0, max_bytes=1 << 20)
+    records = measure_link(budget_s=1.0, max_bytes=1 << 20)
     host = [r for r in records if r["variant"] == "host copy (numpy)"]
     assert [r["bytes"] for r in host] == [s for s in SIZES if s <= 1 << 20]
     for r in records:
@@ -132,7 +130,7 @@ def test_llama_bench_records_parse_its_json_and_pass_our_arguments(tmp_path):
            "n_prompt": 0, "n_gen": 128, "n_depth": 128, "avg_ts": 281.5, "samples_ts": [280.0, 283.0]}
     exe = _fake_llama_bench(tmp_path, f"echo \"$@\" > {tmp_path}/args\ncat <<'J'\n{json.dumps([row])}\nJ")
     gguf_file = tmp_path / "m.gguf"
-    recs = bench.llama_bench_records(exe, gguf_file, {"experiment": "decode-kernels", "weights": "Q4_K_M"}, 128, 128, 3)
+    recs = peers.llama_bench_records(exe, gguf_file, {"experiment": "decode-kernels", "weights": "Q4_K_M"}, 128, 128, 3)
     speed = next(r for r in recs if r["metric"] == "tokens_per_s")
     assert speed["value"] == 281.5 and speed["samples"] == [280.0, 283.0]
     assert "abc123" in speed["peer"] and speed["weights"] == "Q4_K_M"
@@ -146,7 +144,7 @@ def test_a_llama_bench_built_from_an_archive_is_named_without_a_made_up_version(
     row = {"build_commit": "unknown", "backends": "CUDA", "model_size": 1, "n_prompt": 0, "n_gen": 128,
            "n_depth": 128, "avg_ts": 200.0, "samples_ts": [200.0]}
     exe = _fake_llama_bench(tmp_path, f"cat <<'J'\n{json.dumps([row])}\nJ")
-    recs = bench.llama_bench_records(exe, tmp_path / "m.gguf", {"weights": "F16"}, 128, 128, 3)
+    recs = peers.llama_bench_records(exe, tmp_path / "m.gguf", {"weights": "F16"}, 128, 128, 3)
     assert {r["peer"] for r in recs} == {"llama.cpp (llama-bench, CUDA)"}
 
 
@@ -155,21 +153,22 @@ def test_a_llama_bench_built_from_an_archive_is_named_without_a_made_up_version(
                                            ("echo '[]'", "no decode of 128 tokens")])
 def test_a_failing_llama_bench_becomes_one_error_record(tmp_path, body, message):
     exe = _fake_llama_bench(tmp_path, body)
-    recs = bench.llama_bench_records(exe, tmp_path / "m.gguf", {"weights": "F16"}, 128, 128, 3)
+    recs = peers.llama_bench_records(exe, tmp_path / "m.gguf", {"weights": "F16"}, 128, 128, 3)
     assert len(recs) == 1 and recs[0]["metric"] == "peer_error" and message in recs[0]["note"]
 
 
 def test_a_missing_llama_bench_binary_is_named(tmp_path):
-    recs = bench.llama_bench_records(tmp_path / "nope", tmp_path / "m.gguf", {}, 128, 128, 3)
+    recs = peers.llama_bench_records(tmp_path / "nope", tmp_path / "m.gguf", {}, 128, 128, 3)
     assert recs[0]["metric"] == "peer_error" and "did not run" in recs[0]["note"]
 
 
 def test_bench_quant_groups_scores_each_group_on_the_same_windows(shipped_model):
     from ref_impl.engine.tokenizer import Tokenizer
     from ref_impl.formats.quantize import MATRIX_GROUPS
-    from ref_impl.training.train import heldout_stream, mean_loss
+    from ref_impl.training.corpus import heldout_stream
+    from ref_impl.training.evaluate import mean_loss
 
-    records = bench.bench_quant_groups(shipped_model, "Q4_K", ppl_tokens=1024)
+    records = quant.bench_quant_groups(shipped_model, "Q4_K", ppl_tokens=1024)
     by = {(r["variant"], r["metric"]): r for r in records}
     groups = ["none (float32)", *MATRIX_GROUPS, "every matrix"]
     assert [v for v, m in by if m == "window_loss"] == groups
@@ -204,3 +203,11 @@ def test_recorded_copy_bandwidth_prefers_the_newest_mlx_copy_then_twice_the_host
     assert recorded_copy_gbs("a", "Some CPU", tmp_path) == (31.0, "a-3.json")
     with pytest.raises(LookupError, match="no recorded copy bandwidth for b"):
         recorded_copy_gbs("b", "Some CPU", tmp_path)
+
+
+def test_this_machine_measures_positive_finite_numbers():
+    hw = this_machine(seconds=0.1, array_mb=8, matmul_n=128)
+    for value in (hw.memory_gb, hw.bandwidth_gbs, hw.peak_tflops):
+        assert value > 0 and math.isfinite(value)
+    assert hw.source == "measured live on this machine"
+    assert roofline.ridge_point(hw) > 0

@@ -280,23 +280,24 @@ def test_bench_kv_quick_writes_every_kv_experiment(tmp):
     for rec in records:
         by.setdefault(rec["experiment"], []).append(rec)
     assert set(by) == {"kv-ppl", "kv-needle", "kv-bytes", "kv-speed"}
-    schemes = {"float", *CACHES}
+    dtype = by["kv-ppl"][0]["dtype"]                          # the float cache is recorded under its dtype
+    schemes = {dtype, *CACHES}
     for experiment in ("kv-ppl", "kv-needle", "kv-bytes"):
         assert {rec["kv"] for rec in by[experiment]} == schemes
     ppl = {rec["kv"]: rec["value"] for rec in by["kv-ppl"] if rec["metric"] == "heldout_perplexity"}
     delta = {rec["kv"]: rec["value"] for rec in by["kv-ppl"] if rec["metric"] == "ppl_delta"}
-    assert delta == pytest.approx({s: ppl[s] - ppl["float"] for s in schemes})
+    assert delta == pytest.approx({s: ppl[s] - ppl[dtype] for s in schemes})
     control = [rec for rec in by["kv-needle"] if rec["variant"] == "no-needle" and rec["metric"] == "retrieval_rate"]
-    assert len(control) == 1 and control[0]["kv"] == "float" and set(control[0]["samples"]) <= {0, 1}
+    assert len(control) == 1 and control[0]["kv"] == dtype and set(control[0]["samples"]) <= {0, 1}
     per_token = {rec["kv"]: rec["value"] for rec in by["kv-bytes"] if rec["metric"] == "bytes_per_token"}
-    assert per_token["float"] == 2 * 6 * 2 * 64 * 4          # K and V, 6 layers, 2 KV heads of 64, float32 on the CPU
-    assert all(per_token[s] < per_token["float"] for s in CACHES)
+    assert dtype == "f32" and per_token[dtype] == 2 * 6 * 2 * 64 * 4   # K and V, 6 layers, 2 KV heads of 64, CPU
+    assert all(per_token[s] < per_token[dtype] for s in CACHES)
     speed = [rec for rec in by["kv-speed"] if rec["metric"] == "tokens_per_s"]
     fused = {rec["kv"] for rec in speed if rec["variant"] == "fused"}
     assert fused <= set(FUSED) and {s.split("-")[0][:-1] for s in fused} == {"affine", "outlier"}
-    assert {rec["variant"] for rec in speed if rec["kv"] == "float"} == {None}
+    assert {rec["variant"] for rec in speed if rec["kv"] == dtype} == {None}
     assert all(rec["value"] > 0 for rec in speed)
-    assert {rec["value"] for rec in by["kv-speed"] if rec["metric"] == "vs_float" and rec["kv"] == "float"} == {1.0}
+    assert {rec["value"] for rec in by["kv-speed"] if rec["metric"] == "vs_float" and rec["kv"] == dtype} == {1.0}
     crossings = [rec for rec in by["kv-speed"] if rec["metric"] == "crossover_context"]
     assert len(crossings) == len({(rec["kv"], rec["variant"]) for rec in speed}) - 1
     assert "kv-speed" in r.stdout and "crossover_context" in r.stdout

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ref_impl.measure import records
 from ref_impl.theory import interconnect as ic
 from ref_impl.theory import roofline, shapes
 
@@ -112,6 +113,6 @@ def test_host_copy_recorded_takes_each_machines_latest_file_sorted_by_size(tmp_p
     write("a-1.json", "a", [(4096, 1.0)])
     write("a-2.json", "a", [(16384, 3.0), (4096, 2.0)])
     write("b-1.json", "b", [(4096, 5.0)])
-    rec = ic.host_copy_recorded(tmp_path)
+    rec = records.host_copy_recorded(tmp_path)
     assert rec["a"]["file"] == "a-2.json" and rec["a"]["sizes"] == [4096, 16384] and rec["a"]["gbs"] == [2.0, 3.0]
     assert rec["b"]["gbs"] == [5.0] and rec["b"]["machine"] == {"label": "b"}

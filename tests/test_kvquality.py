@@ -10,11 +10,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ref_impl.engine.model import ModelArgs, load
+from ref_impl.engine.checkpoint import load
+from ref_impl.engine.kvquant import outlier_channels
+from ref_impl.engine.model import ModelArgs
 from ref_impl.engine.random import random_model
 from ref_impl.measure import kv
 from ref_impl.theory import roofline, shapes
-from ref_impl.training import train
+from ref_impl.training import corpus, evaluate, models
 
 CONTEXT, WINDOWS = 128, 2
 
@@ -22,7 +24,7 @@ CONTEXT, WINDOWS = 128, 2
 @pytest.fixture(scope="module")
 def shipped(shipped_model):
     model, tokenizer = load(shipped_model, mx.float32)
-    stream, _ = train.heldout_stream(tokenizer)
+    stream, _ = corpus.heldout_stream(tokenizer)
     return model, stream
 
 
@@ -54,9 +56,9 @@ def test_capture_matches_model_and_rope_keeps_pair_norms(shipped):
         for stat in ("mean", "max"):
             assert mags[name][stat].shape == (a.num_hidden_layers, a.num_key_value_heads, a.head_dim)
         assert (mags[name]["max"] >= mags[name]["mean"]).all()
-    counts = kv.outlier_channels(mags, 4.0)
+    counts = outlier_channels(mags, 4.0)
     assert len(counts) == a.num_hidden_layers and all(0 <= c <= a.num_key_value_heads * a.head_dim for c in counts)
-    assert kv.outlier_channels(mags, 0.0) == [a.num_key_value_heads * a.head_dim] * a.num_hidden_layers
+    assert outlier_channels(mags, 0.0) == [a.num_key_value_heads * a.head_dim] * a.num_hidden_layers
 
 
 def test_per_channel_rounding_beats_per_token_with_outlier_channels():
@@ -75,11 +77,11 @@ def test_per_channel_rounding_beats_per_token_with_outlier_channels():
 
 def test_float_cache_perplexity_equals_mean_loss(shipped, float_ppl):
     model, stream = shipped
-    expected = math.exp(train.mean_loss(model, stream, CONTEXT, max_tokens=WINDOWS * CONTEXT, spread=True))
+    expected = math.exp(evaluate.mean_loss(model, stream, CONTEXT, max_tokens=WINDOWS * CONTEXT, spread=True))
     assert float_ppl == pytest.approx(expected, rel=1e-4)
     # token by token reads the same history
     ppl_1 = kv.cache_perplexity(model, stream, kv.FLOAT, 32, 1, chunk=1)
-    assert ppl_1 == pytest.approx(math.exp(train.mean_loss(model, stream, 32, max_tokens=32, spread=True)), rel=1e-4)
+    assert ppl_1 == pytest.approx(math.exp(evaluate.mean_loss(model, stream, 32, max_tokens=32, spread=True)), rel=1e-4)
 
 
 @pytest.mark.parametrize("scheme", ["sym8", "affine8-g64"])
@@ -122,7 +124,7 @@ def test_memory_table_matches_hand_formulas():
 @pytest.fixture(scope="module")
 def needle_setup(shipped_model):
     _, tokenizer = load(shipped_model, mx.float32)
-    texts = train.read_corpus(train.config_for("stdlib-10m"))[0]["heldout"]
+    texts = corpus.read_corpus(models.config_for("stdlib-10m"))[0]["heldout"]
     return tokenizer, texts
 
 
@@ -171,14 +173,14 @@ SMALL = ModelArgs(vocab_size=128, hidden_size=128, num_hidden_layers=2, intermed
 def test_fill_random_stores_context_positions():
     model = random_model(SMALL, mx.float32)
     for scheme in (kv.FLOAT, "affine4-g64", "kivi4"):
-        caches = kv.make_scheme_caches(model, scheme, 1, 100)
+        caches = model.make_cache(100, 1, scheme)
         kv.fill_random(caches, 70, chunk=32)
         for c in caches:
             keys, values = c.state
             assert c.offset == 70 and keys.shape == values.shape == (1, 1, 70, 64)
             assert 0.8 < np.array(keys).std() < 1.2 and not np.array_equal(np.array(keys), np.array(values))
     with pytest.raises(ValueError, match="takes no parameters"):
-        kv.make_scheme_caches(model, kv.FLOAT, 1, 8, fused=True)
+        model.make_cache(8, 1, kv.FLOAT, fused=True)
 
 
 def test_decode_speed_measures_every_variant_at_each_context():

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from ref_impl.engine.generate import Sampler, generate_step
-from ref_impl.engine.kvcache import CACHES, ChunkedKVCache, ConcatKVCache, KVCache, make_caches
+from ref_impl.engine.kvcache import CACHES, ChunkedKVCache, ConcatKVCache, KVCache
+from ref_impl.engine.kvquant import make_caches
 from ref_impl.engine.random import args_for
 from ref_impl.measure import latency, loads
 from ref_impl.measure.latency import (

@@ -192,10 +192,10 @@ def test_load_comparison_covers_methods_and_caches(tmp_path):
 
 
 def test_a_recorded_sweep_reads_back_as_it_was_measured(tmp_path, monkeypatch):
-    from ref_impl.measure import bench, records
+    from ref_impl.measure import records
 
     monkeypatch.setattr(loads, "sweep_sizes", lambda: (64 * 1024, 256 * 1024))
-    path = records.write_results(bench.bench_alignment(budget_s=0), tmp_path, "bench --alignment", "test-machine")
+    path = records.write_results(loads.bench_alignment(budget_s=0), tmp_path, "bench --alignment", "test-machine")
     machine, rows = loads.recorded_sweeps(tmp_path)["test-machine"]
     assert machine["label"] == "test-machine" and machine["file"] == path.name
     assert machine["numpy_blas"] == loads.numpy_blas()

@@ -4,7 +4,7 @@ memory and decode speed.
 The measurements behind the KV-cache chapter's choice of scheme (`kvquant.CACHES`):
 
 * `key_value_magnitudes`: per layer and channel, mean and max |k| and |v| over a prompt, keys both
-  before and after RoPE. Keys carry a few *outlier channels* (`outlier_channels` counts them);
+  before and after RoPE. Keys carry a few *outlier channels* (`kvquant.outlier_channels` counts them);
   values do not. RoPE rotates each pair (2i, 2i+1) by a position-dependent angle, so after it a
   pre-RoPE outlier channel spreads over its pair, but the pair's norm is unchanged.
 * `per_channel_rounding_error`: the RMS error per channel of symmetric rounding with one scale per
@@ -37,9 +37,8 @@ from __future__ import annotations
 import gc
 import math
 import re
-import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,24 +47,26 @@ import mlx.nn as nn
 import numpy as np
 
 from ref_impl.engine import kvquant
+from ref_impl.engine.checkpoint import load
 from ref_impl.engine.generate import Sampler, generate_step, prefill
 from ref_impl.engine.kvcache import KVCache
-from ref_impl.engine.model import Model, load
+from ref_impl.engine.kvquant import FLOAT, scheme_bytes
+from ref_impl.engine.model import Model
 from ref_impl.engine.random import args_for, random_model
 from ref_impl.engine.tokenizer import Tokenizer
-from ref_impl.measure.bench import _summarize, _time_tokens
-from ref_impl.measure.latency import _dtype_name, _record
+from ref_impl.measure.records import dtype_name, record
+from ref_impl.platform.timing import clock, decode_metrics, time_tokens
 from ref_impl.theory import roofline
 from ref_impl.theory.shapes import ModelShape
 from ref_impl.theory.shapes import shape as named_shape
-
-FLOAT = "float"   # the scheme name of the unquantized static cache (kvcache.KVCache)
+from ref_impl.training.corpus import read_corpus, token_stream
+from ref_impl.training.models import config_for
 
 
 class _Recorder:
     """A stand-in cache that keeps what attention gives it and stores nothing between calls."""
 
-    offset = 0
+    offset, attends = 0, "dense"
 
     def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         self.keys, self.values = k, v
@@ -101,22 +102,6 @@ def key_value_magnitudes(model: Model, tokens: mx.array) -> dict[str, dict[str, 
     return mags
 
 
-def outlier_indices(magnitude: np.ndarray, factor: float) -> np.ndarray:
-    """Indices of the channels whose magnitude (one value per channel, (C,)) exceeds factor times
-    the median channel's: the outlier rule used throughout the chapter."""
-    magnitude = np.asarray(magnitude, dtype=np.float64)
-    if magnitude.ndim != 1 or magnitude.size == 0:
-        raise ValueError(f"expected one magnitude per channel (a non-empty 1-D array), got shape {magnitude.shape}")
-    return np.flatnonzero(magnitude > factor * np.median(magnitude))
-
-
-def outlier_channels(mags: dict, factor: float, which: str = "keys_pre_rope", stat: str = "mean") -> list[int]:
-    """Per layer, how many channels (over all KV heads) are outliers (`outlier_indices`) by
-    mags[which][stat]."""
-    m = mags[which][stat]
-    return [len(outlier_indices(row, factor)) for row in m.reshape(m.shape[0], -1)]
-
-
 def per_channel_rounding_error(keys, bits: int) -> dict[str, np.ndarray]:
     """RMS rounding error per channel (head_dim,) of keys (..., L, head_dim) quantized symmetric
     `bits`-bit (kvquant.quantize_symmetric: 8 or 4) with one scale per token ("per_token", over its
@@ -135,31 +120,18 @@ def per_channel_rounding_error(keys, bits: int) -> dict[str, np.ndarray]:
 
 
 def window_starts(stream: np.ndarray, context: int, windows: int) -> np.ndarray:
-    """Start of each window: `train.mean_loss(..., max_tokens=windows * context, spread=True)`'s."""
+    """Start of each window: `evaluate.mean_loss(..., max_tokens=windows * context, spread=True)`'s."""
     n = min(len(stream) - 1, windows * context) // context
     if n == 0:
         raise ValueError(f"the stream ({len(stream)} tokens) is shorter than one window ({context})")
     return np.linspace(0, (len(stream) - 1) // context - 1, n).astype(np.int64) * context
 
 
-def make_scheme_caches(model: Model, scheme: str, batch: int, max_size: int, **params) -> list:
-    """One cache per layer: the float static KVCache for scheme "float", else kvquant's `scheme`
-    (params such as bits, group, fused=True go to it; "float" takes only fused=False)."""
-    a, dtype = model.args, model.norm.weight.dtype
-    if scheme == FLOAT:
-        if params.pop("fused", False) or params:
-            raise ValueError(f"the float cache takes no parameters; got {params or 'fused=True'}")
-        return [KVCache(batch, a.num_key_value_heads, a.head_dim, max_size, dtype)
-                for _ in range(a.num_hidden_layers)]
-    return kvquant.make_caches(scheme, a.num_hidden_layers, batch, a.num_key_value_heads, a.head_dim,
-                               max_size, dtype, **params)
-
-
 def cache_perplexity(model: Model, stream: np.ndarray, scheme: str, context: int, windows: int,
                      chunk: int = 64, batch: int = 16, **params) -> float:
     """Held-out perplexity exp(mean NLL) with the decoder reading its history from a `scheme` cache.
 
-    The windows are `train.mean_loss`'s (spread=True, max_tokens = windows * context), each fed
+    The windows are `evaluate.mean_loss`'s (spread=True, max_tokens = windows * context), each fed
     through `model(tokens, cache)` in chunks of `chunk` tokens: chunk k attends to the cache's
     (dequantized) copy of chunks 0..k, its own keys included, as a decode step reads its own
     token's keys from the cache. `chunk=1` is token-by-token decoding; larger chunks are a chunked
@@ -173,28 +145,12 @@ def cache_perplexity(model: Model, stream: np.ndarray, scheme: str, context: int
     for i in range(0, len(starts), batch):
         rows = stream[starts[i:i + batch, None] + np.arange(context + 1)]
         x, y = mx.array(rows[:, :-1]), mx.array(rows[:, 1:])
-        caches = make_scheme_caches(model, scheme, len(rows), context, **params)
+        caches = model.make_cache(context, len(rows), scheme, **params)
         for s in range(0, context, chunk):
             logits = model(x[:, s:s + chunk], caches)
             loss = nn.losses.cross_entropy(logits.astype(mx.float32), y[:, s:s + chunk], reduction="sum")
             total += loss.item()
     return float(np.exp(total / (len(starts) * context)))
-
-
-def _one_cache(scheme: str, n_kv_heads: int, head_dim: int, max_size: int, dtype: mx.Dtype, **params):
-    """A single batch-1 cache of the scheme (one layer)."""
-    if scheme == FLOAT:
-        return KVCache(1, n_kv_heads, head_dim, max_size, dtype)
-    return kvquant.make_caches(scheme, 1, 1, n_kv_heads, head_dim, max_size, dtype, **params)[0]
-
-
-def scheme_bytes(scheme: str, n_kv_heads: int, head_dim: int, dtype: mx.Dtype = mx.float16,
-                 sizes: tuple[int, int] = (256, 512), **params) -> tuple[float, float]:
-    """(bytes per token, fixed bytes) of one layer's cache, read off `nbytes` of a batch-1 cache of
-    the scheme built at two max_size values: no formula of its own, so it cannot drift from kvquant."""
-    a, b = (_one_cache(scheme, n_kv_heads, head_dim, s, dtype, **params).nbytes for s in sizes)
-    per_token = (b - a) / (sizes[1] - sizes[0])
-    return per_token, a - per_token * sizes[0]
 
 
 # A 30B-class model for C05's "35B" (Qwen3-30B-A3B: 48 layers, 4 KV heads of 128; config.json at
@@ -319,7 +275,7 @@ def needle_retrieval(model: Model, trials: Sequence[NeedleTrial], scheme: str, c
     for i in range(0, len(trials), batch):
         part = trials[i:i + batch]
         prompts = mx.array([t.control if control else t.prompt for t in part])
-        caches = make_scheme_caches(model, scheme, len(part), prompts.shape[1], **params)
+        caches = model.make_cache(prompts.shape[1], len(part), scheme, **params)
         logits = prefill(model, prompts, caches).astype(mx.float32)                  # (B, V)
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         target = mx.array([t.target for t in part])
@@ -337,10 +293,10 @@ def fill_random(caches: Sequence[KVCache], context: int, seed: int = 0, chunk: i
     an 8B shape would cost more than the decode it sets up)."""
     key = mx.random.key(seed)
     for cache in caches:
-        B, H, _, D = cache.keys.shape        # every cache keeps (B, H, ., D) float buffers, maybe empty
+        B, H, D = cache.batch, cache.n_kv_heads, cache.head_dim
         for start in range(0, context, chunk):
             key, sub = mx.random.split(key)
-            kv = mx.random.normal((2, B, H, min(chunk, context - start), D), key=sub).astype(cache.keys.dtype)
+            kv = mx.random.normal((2, B, H, min(chunk, context - start), D), key=sub).astype(cache.dtype)
             cache.update_and_fetch(kv[0], kv[1])
         mx.eval(cache.state)      # the stored buffers, one layer at a time (bounds the lazy graph and memory)
 
@@ -371,35 +327,35 @@ def decode_speed(model: Model, name: str, variants: Sequence[tuple[str, bool]], 
     if n_tokens < 2 or repeats < 1 or not variants:
         raise ValueError(f"decode_speed needs n_tokens >= 2, repeats >= 1 and a variant; got {n_tokens}, {repeats}")
     token = int(np.random.default_rng(seed).integers(1, model.args.vocab_size))
-    out, start, costs = [], time.perf_counter(), []
+    out, start, costs = [], clock(), []
     for context in sorted(contexts):
         if costs:
             (c0, t0), (c1, t1) = costs[-2:] if len(costs) > 1 else costs * 2
             likely = t1 + (t1 - t0) / (c1 - c0) * (context - c1) if c1 > c0 else t1
-            if time.perf_counter() - start + likely > budget_s:
+            if clock() - start + likely > budget_s:
                 break
-        begun = time.perf_counter()
-        caches = {v: make_scheme_caches(model, v[0], 1, context + n_tokens + 2, fused=v[1]) for v in variants}
+        begun = clock()
+        caches = {v: model.make_cache(context + n_tokens + 2, 1, v[0], fused=v[1]) for v in variants}
         for c in caches.values():
             fill_random(c, context, seed)
         runs = {v: [] for v in variants}
         for r in range(-1, repeats):
             for v, cache in caches.items():
-                run = _time_tokens(generate_step(model, [token], Sampler(), cache, pipeline=True), n_tokens)
+                run = time_tokens(generate_step(model, [token], Sampler(), cache, pipeline=True), n_tokens)
                 mx.synchronize()               # the pipelined step left queued, before the trim
                 for c in cache:
                     c.trim(c.offset - context)
                 if r >= 0:
                     runs[v].append(run)
         for (scheme, fused), r in runs.items():
-            s = _summarize(r, 1)
+            s = decode_metrics(r, 1)
             out.append(SpeedPoint(name, scheme, fused, context, s["tokens_per_s"][0],
                                   [float(x) for x in s["tokens_per_s"][1]], s["itl_p50_ms"][0],
                                   sum(c.nbytes for c in caches[(scheme, fused)])))
         del caches
         gc.collect()
         mx.clear_cache()
-        costs.append((context, time.perf_counter() - begun))
+        costs.append((context, clock() - begun))
     return out
 
 
@@ -473,6 +429,88 @@ def _speed_model(shape: str, path: Path, context: int) -> Model:
     return random_model(args_for(shape, context))
 
 
+def _check_shapes(model: Model, model_path: Path, shapes: Sequence[str], plan: KVPlan) -> None:
+    """Fail before anything runs on an unknown shape, or one a scheme cannot hold (e.g. groups of 64 in a
+    head of 32)."""
+    for shape in shapes:
+        a = model.args if shape == model_path.stem else args_for(shape)
+        for s, fused in plan.variants:
+            try:
+                if s != FLOAT:
+                    kvquant.make_caches(s, 1, 1, a.num_key_value_heads, a.head_dim, 1, fused=fused)
+            except ValueError as e:
+                raise ValueError(f"shape {shape} cannot hold a {s} cache: {e}") from e
+
+
+def kv_name(scheme: str, dtype: str) -> str:
+    """The records' name of a cache: the scheme of a quantized one, the dtype ("f16") of the float one."""
+    return dtype if scheme == FLOAT else scheme
+
+
+def _quality_records(model: Model, tokenizer: Tokenizer, name: str, plan: KVPlan, seed: int,
+                     say: Callable[[str], None]) -> list[dict]:
+    """kv-ppl and kv-needle records of the GGUF model, on the stdlib-10m preset's held-out files."""
+    dt = dtype_name(model.norm.weight.dtype)                        # f32 on the CPU, f16 on a GPU
+    schemes = (FLOAT, *kvquant.CACHES)
+    corpus, fingerprint = read_corpus(config_for("stdlib-10m"))    # its held-out files: never trained on
+    say(f"kv-ppl: {len(schemes)} schemes x {plan.ppl_windows} windows of {plan.ppl_context}")
+    stream = token_stream(tokenizer, corpus["heldout"])
+    ppl = {s: cache_perplexity(model, stream, s, plan.ppl_context, plan.ppl_windows) for s in schemes}
+    rec = []
+    for s, p in ppl.items():
+        fields = {"model": name, "kv": kv_name(s, dt), "context": plan.ppl_context}
+        extra = {"windows": plan.ppl_windows, "tokens": plan.ppl_windows * plan.ppl_context,
+                 "corpus_sha256": fingerprint, "dtype": dt}
+        rec += [record("kv-ppl", "heldout_perplexity", "ppl", p, **fields, **extra),
+                record("kv-ppl", "ppl_delta", "ppl", p - ppl[FLOAT], **fields, **extra)]
+    for distance in plan.needle_distances:
+        say(f"kv-needle: {plan.needle_trials} trials, needle {distance} tokens back")
+        trials = needle_trials(tokenizer, corpus["heldout"], plan.needle_trials, plan.needle_context, distance, seed)
+        mean_distance = float(np.mean([t.distance for t in trials]))
+        for s, control in [(FLOAT, True)] + [(s, False) for s in schemes]:
+            hits, logp = needle_retrieval(model, trials, s, control)
+            fields = {"model": name, "kv": kv_name(s, dt), "context": plan.needle_context,
+                      "variant": "no-needle" if control else None}
+            extra = {"trials": len(trials), "distance": mean_distance, "dtype": dt}
+            rec += [record("kv-needle", "retrieval_rate", "fraction", np.mean(hits), samples=hits, **fields, **extra),
+                    record("kv-needle", "target_logprob", "nats", np.mean(logp), samples=logp, **fields, **extra)]
+    return rec
+
+
+def _shape_records(model: Model, shape: str, plan: KVPlan, seed: int) -> list[dict]:
+    """kv-bytes and kv-speed records of one model: bytes per scheme, then decode speed per variant and
+    context (fused variants this device cannot run are "skipped" records), its ratio to the float
+    cache, and each variant's crossover context."""
+    a, dtype = model.args, model.norm.weight.dtype
+    dt = dtype_name(dtype)
+    rec = []
+    for s in (FLOAT, *kvquant.CACHES):
+        per_token, fixed = scheme_bytes(s, a.num_key_value_heads, a.head_dim, dtype)
+        rec += [record("kv-bytes", "bytes_per_token", "B", per_token * a.num_hidden_layers, model=shape,
+                       kv=kv_name(s, dt), dtype=dt),
+                record("kv-bytes", "fixed_bytes", "B", fixed * a.num_hidden_layers, model=shape, kv=kv_name(s, dt),
+                       dtype=dt)]
+    failed = {s: _fused_failure(s, a, dtype) for s, fused in plan.variants if fused}
+    rec += [record("kv-speed", "skipped", None, None, model=shape, weights=dt.upper(), kv=s, variant="fused", note=note)
+            for s, note in failed.items() if note]
+    variants = [(s, fused) for s, fused in plan.variants if not (fused and failed[s])]
+    points = decode_speed(model, shape, variants, plan.contexts, plan.speed_tokens, plan.speed_repeats,
+                          plan.speed_budget_s, seed)
+    floats = {p.context: p.tokens_per_s for p in points if p.scheme == FLOAT}
+    for p in points:
+        fields = {"model": shape, "weights": dt.upper(), "kv": kv_name(p.scheme, dt), "context": p.context,
+                  "variant": "fused" if p.fused else "dequantized" if p.scheme != FLOAT else None}
+        rec += [record("kv-speed", "tokens_per_s", "tok/s", p.tokens_per_s, samples=p.tokens_per_s_runs, **fields,
+                       tokens=plan.speed_tokens),
+                record("kv-speed", "itl_p50_ms", "ms", p.itl_p50_ms, **fields),
+                record("kv-speed", "vs_float", "ratio", p.tokens_per_s / floats[p.context], **fields),
+                record("kv-speed", "cache_bytes", "B", p.cache_bytes, **fields)]
+    rec += [record("kv-speed", "crossover_context", "tokens", crossover(points, s, fused), model=shape,
+                   weights=dt.upper(), kv=s, variant="fused" if fused else "dequantized", contexts=sorted(floats))
+            for s, fused in variants if s != FLOAT]
+    return rec
+
+
 def bench_kv(model_path: str | Path, plan: KVPlan | None = None, shapes: Sequence[str] | None = None,
              seed: int = 0, progress=None) -> list[dict]:
     """Records "kv-ppl" (held-out perplexity and its delta vs float per scheme: the GGUF model at
@@ -480,81 +518,23 @@ def bench_kv(model_path: str | Path, plan: KVPlan | None = None, shapes: Sequenc
     log-prob per scheme and distance, plus the float cache on the control prompts), "kv-bytes" (bytes
     per token per scheme and model shape, from nbytes) and "kv-speed" (tok/s per shape, scheme,
     context and attention path, its ratio to float, and the crossover context). `shapes` overrides
-    plan.shapes (the GGUF model's file stem, "stdlib-10m", names the GGUF model itself)."""
-    from ref_impl.training.train import config_for, read_corpus, token_stream
-
+    plan.shapes (the GGUF model's file stem, "stdlib-10m", names the GGUF model itself). The float
+    cache is recorded under its dtype (kv "f16" or "f32"), a quantized one under its scheme."""
     plan = plan or KVPlan.for_device(mx.default_device() == mx.gpu)
     model_path = Path(model_path)
     if not model_path.is_file():
         raise OSError(f"no model file {model_path}")
     shapes = tuple(shapes or plan.shapes)
     model, tokenizer = load(model_path)
-    for shape in shapes:     # an unknown shape, or one a scheme cannot hold (e.g. groups of 64 in a head of 32),
-        a = model.args if shape == model_path.stem else args_for(shape)         # fails before anything runs
-        for s, fused in plan.variants:
-            try:
-                if s != FLOAT:
-                    kvquant.make_caches(s, 1, 1, a.num_key_value_heads, a.head_dim, 1, fused=fused)
-            except ValueError as e:
-                raise ValueError(f"shape {shape} cannot hold a {s} cache: {e}") from e
+    _check_shapes(model, model_path, shapes, plan)
     say = progress or (lambda msg: None)
-    name, kv_dtype = model_path.stem, _dtype_name(model)          # f32 on the CPU, f16 on a GPU
-    schemes = (FLOAT, *kvquant.CACHES)
-    corpus, fingerprint = read_corpus(config_for("stdlib-10m"))    # its held-out files: never trained on
-    rec = []
-
-    say(f"kv-ppl: {len(schemes)} schemes x {plan.ppl_windows} windows of {plan.ppl_context}")
-    stream = token_stream(tokenizer, corpus["heldout"])
-    ppl = {s: cache_perplexity(model, stream, s, plan.ppl_context, plan.ppl_windows) for s in schemes}
-    for s, p in ppl.items():
-        extra = {"windows": plan.ppl_windows, "tokens": plan.ppl_windows * plan.ppl_context,
-                 "corpus_sha256": fingerprint, "dtype": kv_dtype}
-        rec += [_record("kv-ppl", name, None, s, plan.ppl_context, None, "heldout_perplexity", "ppl", p, **extra),
-                _record("kv-ppl", name, None, s, plan.ppl_context, None, "ppl_delta", "ppl", p - ppl[FLOAT], **extra)]
-
-    for distance in plan.needle_distances:
-        say(f"kv-needle: {plan.needle_trials} trials, needle {distance} tokens back")
-        trials = needle_trials(tokenizer, corpus["heldout"], plan.needle_trials, plan.needle_context, distance, seed)
-        mean_distance = float(np.mean([t.distance for t in trials]))
-        for s, control in [(FLOAT, True)] + [(s, False) for s in schemes]:
-            hits, logp = needle_retrieval(model, trials, s, control)
-            base = ("kv-needle", name, None, s, plan.needle_context, "no-needle" if control else None)
-            extra = {"trials": len(trials), "distance": mean_distance, "dtype": kv_dtype}
-            rec += [_record(*base, "retrieval_rate", "fraction", np.mean(hits), hits, **extra),
-                    _record(*base, "target_logprob", "nats", np.mean(logp), logp, **extra)]
+    rec = _quality_records(model, tokenizer, model_path.stem, plan, seed, say)
     del model
     gc.collect()
-
     for shape in shapes:
         say(f"kv-bytes, kv-speed: {shape} at contexts {', '.join(map(str, plan.contexts))}")
         model = _speed_model(shape, model_path, max(plan.contexts) + plan.speed_tokens + 2)
-        a, dtype, dt = model.args, model.norm.weight.dtype, _dtype_name(model)
-        for s in schemes:
-            per_token, fixed = scheme_bytes(s, a.num_key_value_heads, a.head_dim, dtype)
-            rec += [_record("kv-bytes", shape, None, s, None, None, "bytes_per_token", "B",
-                            per_token * a.num_hidden_layers, dtype=dt),
-                    _record("kv-bytes", shape, None, s, None, None, "fixed_bytes", "B", fixed * a.num_hidden_layers,
-                            dtype=dt)]
-        failed = {s: _fused_failure(s, a, dtype) for s, fused in plan.variants if fused}
-        rec += [_record("kv-speed", shape, dt.upper(), s, None, "fused", "skipped", None, None, note=note)
-                for s, note in failed.items() if note]
-        variants = [(s, fused) for s, fused in plan.variants if not (fused and failed[s])]
-        points = decode_speed(model, shape, variants, plan.contexts, plan.speed_tokens, plan.speed_repeats,
-                              plan.speed_budget_s, seed)
-        floats = {p.context: p.tokens_per_s for p in points if p.scheme == FLOAT}
-        for p in points:
-            base = ("kv-speed", shape, dt.upper(), p.scheme, p.context,
-                    "fused" if p.fused else "dequantized" if p.scheme != FLOAT else None)
-            rec += [_record(*base, "tokens_per_s", "tok/s", p.tokens_per_s, p.tokens_per_s_runs,
-                            tokens=plan.speed_tokens),
-                    _record(*base, "itl_p50_ms", "ms", p.itl_p50_ms),
-                    _record(*base, "vs_float", "ratio", p.tokens_per_s / floats[p.context]),
-                    _record(*base, "cache_bytes", "B", p.cache_bytes)]
-        for s, fused in variants:
-            if s != FLOAT:
-                rec.append(_record("kv-speed", shape, dt.upper(), s, None,
-                                   "fused" if fused else "dequantized", "crossover_context", "tokens",
-                                   crossover(points, s, fused), contexts=sorted(floats)))
+        rec += _shape_records(model, shape, plan, seed)
         del model
         gc.collect()
         mx.clear_cache()

@@ -20,7 +20,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,11 +28,16 @@ import mlx.core as mx
 import numpy as np
 
 from ref_impl import ROOT
+from ref_impl.engine.checkpoint import load
 from ref_impl.engine.generate import Sampler, generate_step, prefill
-from ref_impl.engine.kvcache import CACHES, KVCache, make_caches
-from ref_impl.engine.model import Model, default_dtype, load
+from ref_impl.engine.kvcache import CACHES, KVCache
+from ref_impl.engine.kvquant import make_caches
+from ref_impl.engine.model import Model, default_dtype
 from ref_impl.engine.random import args_for, random_model
-from ref_impl.measure.bench import _summarize, _time_tokens, ours
+from ref_impl.measure.decode import ours
+from ref_impl.measure.loads import wired_reads
+from ref_impl.measure.records import dtype_name, record
+from ref_impl.platform.timing import calls_per_sample, clock, decode_metrics, median, repeat, time_tokens, wall
 
 MODES = ("sync", "async_eval", "layer_eval")
 
@@ -97,15 +101,15 @@ def decode_modes(model: Model, prompt_len: int = 32, n_tokens: int = 64, repeats
     runs = {mode: [] for mode in modes}
     for r in range(-1, repeats):
         for mode in modes:
-            run = _time_tokens(_stream(model, mode, prompt, n_tokens), n_tokens)
+            run = time_tokens(_stream(model, mode, prompt, n_tokens), n_tokens)
             mx.synchronize()               # a pipelined run leaves one step queued: let it finish
             if r >= 0:
                 runs[mode].append(run)
     out = {}
     for mode, r in runs.items():
-        s = _summarize(r, prompt_len)
+        s = decode_metrics(r, prompt_len)
         out[mode] = DecodeRate(mode, s["tokens_per_s"][0], [float(x) for x in s["tokens_per_s"][1]],
-                               s["ttft_ms"][0], s["itl_p50_ms"][0], r[-1][2])
+                               s["ttft_ms"][0], s["itl_p50_ms"][0], r[-1].ids)
     return out
 
 
@@ -116,9 +120,9 @@ def token_times_ms(model: Model, prompt_len: int = 16, n_tokens: int = 8, seed: 
     token k > 1 one decode step. The first run of a process includes every kernel's first use."""
     prompt = _prompt(model, prompt_len, seed)
     cache = model.make_cache(prompt_len + n_tokens)
-    start, times, _ = _time_tokens(generate_step(model, prompt, Sampler(), cache), n_tokens)
+    run = time_tokens(generate_step(model, prompt, Sampler(), cache), n_tokens)
     mx.synchronize()
-    return (np.diff([start, *times]) * 1e3).tolist()
+    return (np.diff([run.start, *run.times]) * 1e3).tolist()
 
 
 @dataclass
@@ -144,19 +148,14 @@ def compile_cost(elements: int = 4096, ops: int = 8, calls: int = 20, seed: int 
             x = mx.tanh(x) * 0.5 + (0.25 + i / 64)
         return x
 
-    def timed(fn, n):
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            mx.eval(fn(x))
-            times.append((time.perf_counter() - t0) * 1e3)
-        return times
+    def ms(fn, n):        # no warm-up: the first call is the one measured
+        return [t * 1e3 for t in repeat(lambda: mx.eval(fn(x)), n, warmup=0)]
 
     compiled = mx.compile(f)
-    first = timed(compiled, 1)[0]
-    later = float(np.median(timed(compiled, calls)))
-    un_first = timed(f, 1)[0]
-    return CompileCost(elements, ops, first, later, un_first, float(np.median(timed(f, calls))))
+    first = ms(compiled, 1)[0]
+    later = median(ms(compiled, calls))
+    un_first = ms(f, 1)[0]
+    return CompileCost(elements, ops, first, later, un_first, median(ms(f, calls)))
 
 
 @dataclass
@@ -175,11 +174,11 @@ def first_call_profile(model_path: str | Path, prompt_len: int = 16, n_tokens: i
                        seed: int = 0) -> dict:
     """In this process: `compile_cost` first, then load the GGUF model and time `runs` generations.
     What `python -m ref_impl.measure.latency first-call` prints (as JSON) for `first_call`."""
-    began = time.time()
+    began = wall()                # compared with the parent's clock: perf_counter's zero is per process
     cost = compile_cost(seed=seed)
-    t0 = time.perf_counter()
+    t0 = clock()
     model, _ = load(model_path, default_dtype())
-    load_ms = (time.perf_counter() - t0) * 1e3
+    load_ms = (clock() - t0) * 1e3
     return {"began": began, "load_ms": load_ms, "compile": asdict(cost),
             "runs_token_ms": [token_times_ms(model, prompt_len, n_tokens, seed) for _ in range(runs)]}
 
@@ -194,12 +193,12 @@ def first_call(model_path: str | Path, prompt_len: int = 16, n_tokens: int = 8, 
     with tempfile.TemporaryDirectory(prefix="mlx-kernels-") as cache_dir:
         env = {**os.environ, "MLX_PTX_CACHE_DIR": cache_dir}
         for i in range(processes):
-            launched = time.time()
+            launched = wall()
             r = subprocess.run([sys.executable, "-m", "ref_impl.measure.latency", "first-call", str(model_path),
                                 str(prompt_len), str(n_tokens), str(runs), str(seed)],
                                capture_output=True, text=True, timeout=timeout_s, env=env,
                                cwd=ROOT)
-            ended = time.time()
+            ended = wall()
             if r.returncode != 0:
                 tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
                 raise RuntimeError(f"first-call process {i + 1} failed ({r.returncode}): {tail}")
@@ -240,9 +239,9 @@ def kernel_latency(sizes: Sequence[int] = tuple(4 ** k for k in range(13)), chai
     stop once `budget_s` has passed."""
     if min(sizes) < 1 or min(chains) < 1 or rounds < 1:
         raise ValueError("kernel_latency needs sizes >= 1, chains >= 1 and rounds >= 1")
-    key, out, start = mx.random.key(seed), [], time.perf_counter()
+    key, out, start = mx.random.key(seed), [], clock()
     for n in sorted(sizes):
-        if time.perf_counter() - start > budget_s:
+        if clock() - start > budget_s:
             break
         x = mx.random.uniform(shape=(n,), key=key)
         mx.eval(x)
@@ -250,16 +249,8 @@ def kernel_latency(sizes: Sequence[int] = tuple(4 ** k for k in range(13)), chai
             for comp in compiled:
                 fn = mx.compile(_chain(k)) if comp else _chain(k)
                 mx.eval(fn(x))                                     # warm-up: the kernels' first use
-                t0 = time.perf_counter()
-                mx.eval(fn(x))
-                reps = max(1, int(target_s / max(time.perf_counter() - t0, 1e-7)))
-                times = []
-                for _ in range(rounds):
-                    t0 = time.perf_counter()
-                    for _ in range(reps):
-                        mx.eval(fn(x))
-                    times.append((time.perf_counter() - t0) / reps)
-                call = float(np.median(times))
+                calls = calls_per_sample(lambda: mx.eval(fn(x)), target_s)
+                call = median(repeat(lambda: mx.eval(fn(x)), rounds, warmup=0, calls=calls))
                 moved = 2 * 4 * n * (1 if comp else k)
                 out.append(KernelLatency(n, k, comp, call * 1e6, call * 1e6 / k, moved / call / 1e9))
     return out
@@ -322,7 +313,7 @@ def kv_jitter(model: Model, n_tokens: int = 1024, prompt_len: int = 16, strategi
         return make_caches(kind, a.num_hidden_layers, 1, a.num_key_value_heads, a.head_dim, size, dtype)
 
     for kind in strategies:
-        _time_tokens(generate_step(model, prompt, Sampler(), caches(kind), pipeline=True), min(warmup_tokens, n_tokens))
+        time_tokens(generate_step(model, prompt, Sampler(), caches(kind), pipeline=True), min(warmup_tokens, n_tokens))
         mx.synchronize()
     out = []
     for kind in strategies:
@@ -332,13 +323,13 @@ def kv_jitter(model: Model, n_tokens: int = 1024, prompt_len: int = 16, strategi
         before = mx.get_active_memory()
         cache = caches(kind)
         steps = generate_step(model, prompt, Sampler(), cache, pipeline=True)
-        _, times, ids = _time_tokens(steps, n_tokens)
+        run = time_tokens(steps, n_tokens)
         mx.synchronize()
         after, peak = mx.get_active_memory(), mx.get_peak_memory()
-        itl = np.diff(times) * 1e3
+        itl = np.diff(run.times) * 1e3
         out.append(JitterRun(kind, prompt_len, n_tokens, itl.tolist(), float(np.percentile(itl, 50)),
                              float(np.percentile(itl, 99)), float(itl.max()), 1e3 * len(itl) / itl.sum(),
-                             before, after, peak, sum(c.nbytes for c in cache), ids))
+                             before, after, peak, sum(c.nbytes for c in cache), run.ids))
         del steps, cache
     return out
 
@@ -347,7 +338,7 @@ def kv_jitter(model: Model, n_tokens: int = 1024, prompt_len: int = 16, strategi
 
 @dataclass
 class ContextPoint:
-    """Decode after a random prompt of `context` tokens (`bench.ours`, pipelined, median of runs)."""
+    """Decode after a random prompt of `context` tokens (`decode.ours`, pipelined, median of runs)."""
     context: int
     ttft_ms: float                     # prefill of the prompt + the first token
     itl_p50_ms: float                  # decode steps starting at this context
@@ -360,16 +351,16 @@ def context_sweep(model: Model, lengths: Sequence[int], n_tokens: int = 16, repe
     """TTFT and ITL at each prompt length (shortest first; lengths past the model's context are
     skipped). Stops before a length whose likely cost (the last one's, scaled by the length ratio)
     would overrun budget_s."""
-    out, start, last = [], time.perf_counter(), None
+    out, start, last = [], clock(), None
     for L in sorted(lengths):
         if L < 1 or L + n_tokens > model.args.max_position_embeddings:
             continue
-        if last is not None and time.perf_counter() - start + last[1] * L / last[0] > budget_s:
+        if last is not None and clock() - start + last[1] * L / last[0] > budget_s:
             break
-        t0 = time.perf_counter()
-        s = _summarize(ours(model, _prompt(model, L, seed), n_tokens, repeats, pipeline=True), L)
+        t0 = clock()
+        s = decode_metrics(ours(model, _prompt(model, L, seed), n_tokens, repeats, pipeline=True), L)
         mx.synchronize()
-        last = (L, time.perf_counter() - t0)
+        last = (L, clock() - t0)
         out.append(ContextPoint(L, s["ttft_ms"][0], s["itl_p50_ms"][0], s["itl_p99_ms"][0], s["tokens_per_s"][0]))
     return out
 
@@ -411,66 +402,114 @@ class DispatchPlan:
                    context_tokens=8, context_repeats=1, context_budget_s=20.0)
 
 
-def _record(experiment: str, model: str | None, weights: str | None, kv: str | None, context: int | None,
-            variant: str | None, metric: str, unit: str, value, samples=(), **extra) -> dict:
-    return {"experiment": experiment, "model": model, "weights": weights, "kv": kv, "context": context,
-            "variant": variant, "metric": metric, "unit": unit,
-            "value": None if value is None else float(value),
-            "samples": [round(float(x), 5) for x in samples], "peer": None, **extra}
-
-
-def _dtype_name(model: Model) -> str:
-    return str(model.norm.weight.dtype).split(".")[-1].replace("float", "f")   # f32, f16, bf16
-
-
 def _model_records(name: str, model: Model, plan: DispatchPlan, sweep: bool, seed: int) -> list[dict]:
     """dispatch-async, dispatch-layer-eval, kv-jitter and (if sweep) ttft/itl records of one model."""
-    kv = _dtype_name(model)
-    weights = kv.upper()
+    kv = dtype_name(model.norm.weight.dtype)
+    fields = {"model": name, "weights": kv.upper(), "kv": kv}
     ctx = plan.prompt_len + plan.decode_tokens
     rec = []
     rates = decode_modes(model, plan.prompt_len, plan.decode_tokens, plan.repeats, MODES, seed)
     for mode, r in rates.items():
         exp = "dispatch-layer-eval" if mode == "layer_eval" else "dispatch-async"
-        rec += [_record(exp, name, weights, kv, ctx, mode, "tokens_per_s", "tok/s", r.tokens_per_s,
-                        r.tokens_per_s_runs, agrees_with_sync=r.tokens == rates["sync"].tokens),
-                _record(exp, name, weights, kv, ctx, mode, "itl_p50_ms", "ms", r.itl_p50_ms)]
+        rec += [record(exp, "tokens_per_s", "tok/s", r.tokens_per_s, samples=r.tokens_per_s_runs, context=ctx,
+                       variant=mode, **fields, agrees_with_sync=r.tokens == rates["sync"].tokens),
+                record(exp, "itl_p50_ms", "ms", r.itl_p50_ms, context=ctx, variant=mode, **fields)]
     sync, piped, layer = rates["sync"], rates["async_eval"], rates["layer_eval"]
     # layer_eval's baseline is sync with one graph per token: repeat its rate under that experiment
-    rec.append(_record("dispatch-layer-eval", name, weights, kv, ctx, "per_token_graph", "tokens_per_s", "tok/s",
-                       sync.tokens_per_s, sync.tokens_per_s_runs))
+    rec.append(record("dispatch-layer-eval", "tokens_per_s", "tok/s", sync.tokens_per_s,
+                      samples=sync.tokens_per_s_runs, context=ctx, variant="per_token_graph", **fields))
     pairs = zip(piped.tokens_per_s_runs, sync.tokens_per_s_runs)
-    rec.append(_record("dispatch-async", name, weights, kv, ctx, "async_eval", "gain", "fraction",
-                       piped.tokens_per_s / sync.tokens_per_s - 1, [a / s - 1 for a, s in pairs]))
-    rec.append(_record("dispatch-layer-eval", name, weights, kv, ctx, "layer_eval", "slowdown", "fraction",
-                       1 - layer.tokens_per_s / sync.tokens_per_s))
+    rec.append(record("dispatch-async", "gain", "fraction", piped.tokens_per_s / sync.tokens_per_s - 1,
+                      samples=[a / s - 1 for a, s in pairs], context=ctx, variant="async_eval", **fields))
+    rec.append(record("dispatch-layer-eval", "slowdown", "fraction", 1 - layer.tokens_per_s / sync.tokens_per_s,
+                      context=ctx, variant="layer_eval", **fields))
     per_sync_us = (1 / layer.tokens_per_s - 1 / sync.tokens_per_s) / model.args.num_hidden_layers * 1e6
-    rec.append(_record("dispatch-layer-eval", name, weights, kv, ctx, "layer_eval", "extra_us_per_layer_eval", "us",
-                       per_sync_us, layers=model.args.num_hidden_layers))
-
-    room = model.args.max_position_embeddings - plan.prompt_len - 1
-    n = max(16, min(plan.kv_tokens, room, int(plan.kv_budget_s * piped.tokens_per_s / 6)))
-    runs = kv_jitter(model, min(n, room), plan.prompt_len, warmup_tokens=min(264, n), seed=seed)
-    static_ids = runs[0].token_ids
-    for r in runs:
-        c = r.prompt_len + r.tokens
-        base = ("kv-jitter", name, weights, kv, c, r.strategy)
-        match = float(np.mean(np.array(r.token_ids) == np.array(static_ids)))
-        rec += [_record(*base, "itl_ms", "ms", float(np.mean(r.itl_ms)), r.itl_ms),
-                _record(*base, "itl_p50_ms", "ms", r.itl_p50_ms), _record(*base, "itl_p99_ms", "ms", r.itl_p99_ms),
-                _record(*base, "itl_max_ms", "ms", r.itl_max_ms), _record(*base, "tokens_per_s", "tok/s", r.tokens_per_s),
-                _record(*base, "peak_memory", "B", r.peak_bytes), _record(*base, "active_memory_before", "B",
-                                                                           r.active_before_bytes),
-                _record(*base, "active_memory_after", "B", r.active_after_bytes),
-                _record(*base, "cache_bytes", "B", r.cache_bytes),
-                _record(*base, "greedy_agreement", "fraction", match)]
+    rec.append(record("dispatch-layer-eval", "extra_us_per_layer_eval", "us", per_sync_us, context=ctx,
+                      variant="layer_eval", **fields, layers=model.args.num_hidden_layers))
+    rec += _jitter_records(model, plan, piped.tokens_per_s, fields, seed)
     if sweep:
         for p in context_sweep(model, plan.contexts, plan.context_tokens, plan.context_repeats,
                                plan.context_budget_s, seed):
-            rec += [_record("ttft", name, weights, kv, p.context, None, "ttft_ms", "ms", p.ttft_ms),
-                    _record("itl", name, weights, kv, p.context, None, "itl_p50_ms", "ms", p.itl_p50_ms),
-                    _record("itl", name, weights, kv, p.context, None, "itl_p99_ms", "ms", p.itl_p99_ms),
-                    _record("itl", name, weights, kv, p.context, None, "tokens_per_s", "tok/s", p.tokens_per_s)]
+            rec += [record("ttft", "ttft_ms", "ms", p.ttft_ms, context=p.context, **fields),
+                    record("itl", "itl_p50_ms", "ms", p.itl_p50_ms, context=p.context, **fields),
+                    record("itl", "itl_p99_ms", "ms", p.itl_p99_ms, context=p.context, **fields),
+                    record("itl", "tokens_per_s", "tok/s", p.tokens_per_s, context=p.context, **fields)]
+    return rec
+
+
+def _jitter_records(model: Model, plan: DispatchPlan, tokens_per_s: float, fields: dict, seed: int) -> list[dict]:
+    """kv-jitter records of one model: as many tokens as plan.kv_budget_s allows at its pipelined rate."""
+    room = model.args.max_position_embeddings - plan.prompt_len - 1
+    n = max(16, min(plan.kv_tokens, room, int(plan.kv_budget_s * tokens_per_s / 6)))
+    runs = kv_jitter(model, min(n, room), plan.prompt_len, warmup_tokens=min(264, n), seed=seed)
+    static_ids = runs[0].token_ids
+    rec = []
+    for r in runs:
+        where = {"context": r.prompt_len + r.tokens, "variant": r.strategy, **fields}
+        match = float(np.mean(np.array(r.token_ids) == np.array(static_ids)))
+        rec += [record("kv-jitter", metric, unit, value, samples=r.itl_ms if metric == "itl_ms" else (), **where)
+                for metric, unit, value in (
+                    ("itl_ms", "ms", float(np.mean(r.itl_ms))), ("itl_p50_ms", "ms", r.itl_p50_ms),
+                    ("itl_p99_ms", "ms", r.itl_p99_ms), ("itl_max_ms", "ms", r.itl_max_ms),
+                    ("tokens_per_s", "tok/s", r.tokens_per_s), ("peak_memory", "B", r.peak_bytes),
+                    ("active_memory_before", "B", r.active_before_bytes),
+                    ("active_memory_after", "B", r.active_after_bytes), ("cache_bytes", "B", r.cache_bytes),
+                    ("greedy_agreement", "fraction", match))]
+    return rec
+
+
+def _first_call_records(model_path: Path, plan: DispatchPlan, seed: int) -> list[dict]:
+    """first-call records: two fresh processes on the GGUF model, per run and token, and mx.compile's cost."""
+    rec = []
+    for p, fc in enumerate(first_call(model_path, plan.prompt_len, plan.first_call_tokens, 2, 2, plan.timeout_s, seed)):
+        where = {"variant": f"process-{p + 1}", "process": p + 1, "kernel_cache": "empty" if p == 0 else "on disk"}
+        for i, times in enumerate(fc.runs_token_ms):
+            steady = median(times[2:]) if len(times) > 2 else float(times[-1])
+            run = {"model": fc.model, "context": plan.prompt_len + plan.first_call_tokens, **where, "run": i + 1}
+            rec += [record("first-call", "token_ms", "ms", times[0], samples=times, **run),
+                    record("first-call", "steady_token_ms", "ms", steady, **run),
+                    record("first-call", "first_over_steady", "ratio", times[0] / steady, **run)]
+        rec += [record("first-call", metric, unit, value, model=fc.model, **where)
+                for metric, unit, value in (("startup_s", "s", fc.startup_s), ("load_ms", "ms", fc.load_ms),
+                                            ("process_s", "s", fc.process_s))]
+        c = fc.compile
+        rec += [record("first-call", metric, "ms", getattr(c, metric), **{**where, "variant": "mx.compile"},
+                       elements=c.elements, ops=c.ops)
+                for metric in ("first_call_ms", "later_call_ms", "uncompiled_first_call_ms", "uncompiled_call_ms")]
+    return rec
+
+
+def _kernel_latency_records(plan: DispatchPlan, seed: int) -> list[dict]:
+    """kernel-latency records: per size and chain, plain and compiled; the launch floor and break-even."""
+    lat = kernel_latency(plan.kernel_sizes, plan.kernel_chains, (False, True), budget_s=plan.kernel_budget_s, seed=seed)
+    rec = []
+    for r in lat:
+        variant = f"chain={r.chain}" + (", compiled" if r.compiled else "")
+        rec += [record("kernel-latency", metric, unit, getattr(r, metric), weights="F32", variant=variant,
+                       elements=r.elements)
+                for metric, unit in (("call_us", "us"), ("per_op_us", "us"), ("gb_per_s", "GB/s"))]
+    for chain in plan.kernel_chains:
+        be = break_even(lat, chain)
+        rec += [record("kernel-latency", "launch_us", "us", be["launch_us"], weights="F32", variant=f"chain={chain}"),
+                record("kernel-latency", "break_even_elements", "elements", be["break_even_elements"], weights="F32",
+                       variant=f"chain={chain}")]
+    return rec
+
+
+def _wired_records(plan: DispatchPlan) -> list[dict]:
+    """wired records: loads.wired_reads of a weight-sized buffer, first touch, prefaulted and mlocked."""
+    rec = []
+    for w in wired_reads(plan.wired_bytes, min(4 << 20, plan.wired_bytes), plan.wired_repeats):
+        extra = {"variant": w.variant, "bytes": w.buffer_bytes, "tensor_bytes": w.tensor_bytes, "locked": w.locked,
+                 "note": w.error}
+        t = np.array(w.tensor_read_ms)
+        rec += [record("wired", "read_ms", "ms", w.read_ms, **extra),
+                record("wired", "read_bandwidth", "GB/s", w.gb_per_s, **extra),
+                record("wired", "tensor_read_p50_ms", "ms", np.percentile(t, 50), **extra),
+                record("wired", "tensor_read_p99_ms", "ms", np.percentile(t, 99), **extra),
+                record("wired", "tensor_read_max_ms", "ms", t.max(), samples=t, **extra),
+                record("wired", "minor_faults", "faults", w.minor_faults, **extra),
+                record("wired", "major_faults", "faults", w.major_faults, **extra)]
     return rec
 
 
@@ -481,8 +520,6 @@ def bench_dispatch(model_path: str | Path, shapes: Sequence[str] | None = None, 
     model of each shape ("tiny" or a Llama shape; default: tiny, Llama-3.2-1B, Llama-3.1-8B on a GPU,
     tiny on the CPU) -- dispatch-async, dispatch-layer-eval and kv-jitter, and ttft/itl for the GGUF
     model and the largest shape. `plan` sizes it all (default: DispatchPlan.for_device)."""
-    from ref_impl.measure.loads import wired_reads
-
     gpu = mx.default_device() == mx.gpu
     plan = plan or DispatchPlan.for_device(gpu)
     shapes = list(shapes) if shapes is not None else (["tiny", "Llama-3.2-1B", "Llama-3.1-8B"] if gpu else ["tiny"])
@@ -492,51 +529,12 @@ def bench_dispatch(model_path: str | Path, shapes: Sequence[str] | None = None, 
     model_path = Path(model_path)
     if not model_path.is_file():
         raise OSError(f"no model file {model_path}")
-    rec = []
-
     say("first-call: two fresh processes")
-    for p, fc in enumerate(first_call(model_path, plan.prompt_len, plan.first_call_tokens, 2, 2, plan.timeout_s, seed)):
-        where = {"process": p + 1, "kernel_cache": "empty" if p == 0 else "on disk"}
-        for i, times in enumerate(fc.runs_token_ms):
-            steady = float(np.median(times[2:])) if len(times) > 2 else float(times[-1])
-            base = ("first-call", fc.model, None, None, plan.prompt_len + plan.first_call_tokens, f"process-{p + 1}")
-            rec += [_record(*base, "token_ms", "ms", times[0], times, run=i + 1, **where),
-                    _record(*base, "steady_token_ms", "ms", steady, run=i + 1, **where),
-                    _record(*base, "first_over_steady", "ratio", times[0] / steady, run=i + 1, **where)]
-        rec += [_record("first-call", fc.model, None, None, None, f"process-{p + 1}", metric, unit, value, **where)
-                for metric, unit, value in (("startup_s", "s", fc.startup_s), ("load_ms", "ms", fc.load_ms),
-                                            ("process_s", "s", fc.process_s))]
-        c = fc.compile
-        rec += [_record("first-call", None, None, None, None, "mx.compile", metric, "ms", getattr(c, metric),
-                        elements=c.elements, ops=c.ops, **where)
-                for metric in ("first_call_ms", "later_call_ms", "uncompiled_first_call_ms", "uncompiled_call_ms")]
-
+    rec = _first_call_records(model_path, plan, seed)
     say("kernel-latency")
-    lat = kernel_latency(plan.kernel_sizes, plan.kernel_chains, (False, True), budget_s=plan.kernel_budget_s, seed=seed)
-    for r in lat:
-        variant = f"chain={r.chain}" + (", compiled" if r.compiled else "")
-        rec += [_record("kernel-latency", None, "F32", None, None, variant, metric, unit, getattr(r, metric),
-                        elements=r.elements)
-                for metric, unit in (("call_us", "us"), ("per_op_us", "us"), ("gb_per_s", "GB/s"))]
-    for chain in plan.kernel_chains:
-        be = break_even(lat, chain)
-        rec += [_record("kernel-latency", None, "F32", None, None, f"chain={chain}", "launch_us", "us", be["launch_us"]),
-                _record("kernel-latency", None, "F32", None, None, f"chain={chain}", "break_even_elements",
-                        "elements", be["break_even_elements"])]
-
+    rec += _kernel_latency_records(plan, seed)
     say("wired")
-    for w in wired_reads(plan.wired_bytes, min(4 << 20, plan.wired_bytes), plan.wired_repeats):
-        base = ("wired", None, None, None, None, w.variant)
-        extra = {"bytes": w.buffer_bytes, "tensor_bytes": w.tensor_bytes, "locked": w.locked, "note": w.error}
-        t = np.array(w.tensor_read_ms)
-        rec += [_record(*base, "read_ms", "ms", w.read_ms, **extra),
-                _record(*base, "read_bandwidth", "GB/s", w.gb_per_s, **extra),
-                _record(*base, "tensor_read_p50_ms", "ms", np.percentile(t, 50), **extra),
-                _record(*base, "tensor_read_p99_ms", "ms", np.percentile(t, 99), **extra),
-                _record(*base, "tensor_read_max_ms", "ms", t.max(), t, **extra),
-                _record(*base, "minor_faults", "faults", w.minor_faults, **extra),
-                _record(*base, "major_faults", "faults", w.major_faults, **extra)]
-
+    rec += _wired_records(plan)
     largest = max(shapes, key=lambda s: args_for(s).num_parameters, default=None)
     models = [(model_path.stem, None), *[(s, s) for s in shapes]]
     for name, shape in models:

@@ -1,15 +1,19 @@
-"""loading: what GGUF's layout buys when a model is loaded and when its weights are read, measured here.
+"""Loads: what GGUF's layout buys when a model is loaded and when its weights are read, and what a read
+costs when its pages are not yet resident, measured here.
 
-Two experiments. `throughput_sweep` reads one float32 buffer placed at a chosen byte offset past a
+Three experiments. `throughput_sweep` reads one float32 buffer placed at a chosen byte offset past a
 64-byte cache-line boundary (0, 4, 16, 32, 64 ... ; 1 is not even float32-aligned) and times a
 sum and a matrix-vector product (GEMV) over it with numpy and with MLX, in a buffer that fits the
 L2 cache and in one far larger than the L3. `measure_load` loads a GGUF file three ways -- memory-
 mapped (`gguf.read`), read() into memory, and MLX's own `mx.load` -- and records the time to open,
 the time of the first pass over every weight, and the resident memory (RSS) each way adds, with the
-file's pages in the page cache ("warm") or evicted first ("cold", Linux only).
+file's pages in the page cache ("warm") or evicted first ("cold", Linux only). `wired_reads` reads a
+weight-sized buffer on first touch, after it was touched once, and mlocked (Linux's analog of the
+pages macOS wires for the GPU).
 
 `python -m ref_impl bench --alignment --label my-machine` records the chapter's sweep in results/
-(experiment "alignment"); `recorded_sweeps` reads it back.
+(experiment "alignment", `bench_alignment`); `recorded_sweeps` reads it back. `bench --dispatch`
+records the wired reads (experiment "wired", `latency.bench_dispatch`).
 
 Every function takes a time budget and returns plain dataclasses with the unit in each field name.
 
@@ -23,17 +27,21 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import mmap
 import os
 import resource
 import sys
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 
 from ref_impl.formats import gguf
+from ref_impl.measure.records import record, select
+from ref_impl.platform import blas
+from ref_impl.platform.timing import calls_per_sample, clock, repeat
 
 KiB, MiB = 2**10, 2**20
 LINE = 64           # bytes in a cache line on x86-64 and on Apple's cores' L1
@@ -64,7 +72,6 @@ def rss_mb() -> dict[str, float]:
 def one_thread() -> Iterator[None]:
     """numpy's OpenBLAS (and MLX's, via blas.one_blas_thread) on one thread inside the block: on a
     busy 2-core machine two BLAS threads wait on each other and the timings scatter."""
-    from ref_impl.platform import blas
     libs = {line.split()[-1] for line in open("/proc/self/maps") if "openblas" in line.lower()} \
         if os.path.exists("/proc/self/maps") else set()
     restore = []
@@ -96,14 +103,6 @@ def numpy_blas() -> str:
                     fn.restype = ctypes.c_char_p
                     return f"{name} ({fn().decode()} kernels)"
     return name
-
-
-def _calls_per_timing(fn: Callable[[], object], target_s: float) -> int:
-    """How many calls of `fn` fill about `target_s` (so tiny calls are timed in a loop)."""
-    t0 = time.perf_counter()
-    fn()
-    one = max(time.perf_counter() - t0, 1e-7)
-    return max(1, int(target_s / one))
 
 
 # ---- aligned vs misaligned reads ---------------------------------------------------------------------
@@ -149,7 +148,6 @@ def _numpy_views(nbytes: int, offsets: Sequence[int], rng: np.random.Generator):
 
 
 def _mlx_views(nbytes: int, offsets: Sequence[int], rng: np.random.Generator):
-    import mlx.core as mx
     n = nbytes // 4
     base = mx.array(fill_bytes(4 * (n + 1024), rng).view(np.float32))    # the same kind of floats as numpy's
     mx.eval(base)
@@ -196,7 +194,6 @@ def _kernel(backend: str, op: str, view, x):
             return lambda: np.add.reduce(view)
         w = view[:rows * GEMV_COLS].reshape(rows, GEMV_COLS)
         return lambda: w @ x
-    import mlx.core as mx
     if op == "sum":
         return lambda: mx.eval(mx.sum(view))
     w = view[:rows * GEMV_COLS].reshape(rows, GEMV_COLS)
@@ -205,20 +202,18 @@ def _kernel(backend: str, op: str, view, x):
 
 def _time_group(backend: str, op: str, size: int, views: dict, budget_s: float,
                 rng: np.random.Generator) -> list[Throughput]:
+    """Interleaved rounds over the offsets (each a sample of ~2 ms of calls) until the budget is spent
+    (at least three): the fastest sample per offset."""
     x = rng.standard_normal(GEMV_COLS, dtype=np.float32)
     if backend == "mlx":
-        import mlx.core as mx
         x = mx.array(x)
     fns = {off: _kernel(backend, op, v, x) for off, v in views.items()}
-    reps = {off: _calls_per_timing(fn, 2e-3) for off, fn in fns.items()}   # ~2 ms per timing
+    calls = {off: calls_per_sample(fn, 2e-3) for off, fn in fns.items()}
     best = {off: np.inf for off in fns}
-    start, rounds = time.perf_counter(), 0
-    while rounds < 3 or time.perf_counter() - start < budget_s:
+    start, rounds = clock(), 0
+    while rounds < 3 or clock() - start < budget_s:
         for off, fn in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(reps[off]):
-                fn()
-            best[off] = min(best[off], (time.perf_counter() - t0) / reps[off])
+            best[off] = min(best[off], repeat(fn, 1, warmup=0, calls=calls[off])[0])
         rounds += 1
     return [Throughput(backend, op, size, off, _address(views[off]) % LINE, best[off], size / best[off] / 1e9,
                        _address(views[off]) % 4 == 0, rounds) for off in fns]
@@ -252,20 +247,23 @@ def sweep_sizes() -> tuple[int, int]:
 def sweep_records(rows: Sequence[Throughput]) -> list[dict]:
     """A sweep as results/ records (experiment "alignment"), one per (backend, op, size, offset)."""
     blas_name = numpy_blas()
-    return [{"experiment": "alignment", "model": None, "weights": "F32", "kv": None, "context": None,
-             "variant": f"{r.backend} {r.op}", "metric": "read_rate", "unit": "GB/s", "value": r.gb_per_s,
-             "samples": [], "peer": None, "backend": r.backend, "op": r.op, "buffer_bytes": r.buffer_bytes,
-             "offset_bytes": r.offset_bytes, "line_offset": r.line_offset, "seconds": r.seconds,
-             "float32_aligned": r.float32_aligned, "rounds": r.rounds,
-             "numpy_blas": blas_name if r.backend == "numpy" else None} for r in rows]
+    return [record("alignment", "read_rate", "GB/s", r.gb_per_s, weights="F32", variant=f"{r.backend} {r.op}",
+                   backend=r.backend, op=r.op, buffer_bytes=r.buffer_bytes, offset_bytes=r.offset_bytes,
+                   line_offset=r.line_offset, seconds=r.seconds, float32_aligned=r.float32_aligned, rounds=r.rounds,
+                   numpy_blas=blas_name if r.backend == "numpy" else None) for r in rows]
+
+
+def bench_alignment(budget_s: float = 60.0) -> list[dict]:
+    """The GGUF chapter's sweep as records (`bench --alignment`): GEMV and sum read rates at SWEEP_OFFSETS
+    past a cache line, in a buffer inside L2 and one that streams from DRAM (`sweep_sizes`), numpy and MLX."""
+    return sweep_records(throughput_sweep(SWEEP_OFFSETS, sweep_sizes(), budget_s=budget_s))
 
 
 def recorded_sweeps(results_dir: str | os.PathLike | None = None) -> dict[str, tuple[dict, list[Throughput]]]:
     """The recorded sweeps in results/, per machine label (the newest file of each): (machine, rows).
     The machine dict is the file's, plus "file" (its name) and "numpy_blas" (the BLAS numpy used)."""
-    from ref_impl.measure import records
     files: dict[str, dict[str, tuple[dict, list]]] = {}
-    for name, machine, r in records.read_results("alignment", *([Path(results_dir)] if results_dir else [])):
+    for name, machine, r in select("alignment", *([Path(results_dir)] if results_dir else []), metric="read_rate"):
         info, rows = files.setdefault(machine["label"], {}).setdefault(
             name, ({**machine, "file": name, "numpy_blas": None}, []))
         info["numpy_blas"] = info["numpy_blas"] or r.get("numpy_blas")
@@ -342,7 +340,7 @@ def measure_load(path: str | os.PathLike, method: str, cache: str = "warm") -> L
     if cache == "cold" and not evict(path):
         raise OSError("cannot evict pages on this OS: measure warm only")
     before = rss_mb()
-    t0 = time.perf_counter()
+    t0 = clock()
     if method == "mmap":
         keep = gguf.read(path)
         arrays = [keep.array(i.name) for i in infos]
@@ -354,18 +352,17 @@ def measure_load(path: str | os.PathLike, method: str, cache: str = "warm") -> L
                                 count=i.nbytes // (4 if i.type is gguf.GGMLType.F32 else 1), offset=i.offset)
                   for i in infos]
     else:
-        import mlx.core as mx
         keep = mx.load(path)
         arrays = list(keep.values())
         mx.eval(arrays)
-    t1 = time.perf_counter()
+    t1 = clock()
     opened = rss_mb()
     if method == "mx.load":
         mx.eval([mx.sum(a) for a in arrays])
     else:
         for a in arrays:
             np.add.reduce(a, axis=None)
-    t2 = time.perf_counter()
+    t2 = clock()
     after = rss_mb()
     del arrays
     if method == "mmap":
@@ -425,16 +422,18 @@ def _mlock(address: int, nbytes: int, lock: bool = True) -> str:
 
 
 def _timed_pass(buf, tensor_bytes: int) -> tuple[float, list[float], int, int]:
+    """One pass over buf, tensor_bytes at a time: (seconds, ms per tensor, minor faults, major faults).
+    Each tensor is read once (a first touch cannot be repeated), so there is no warm-up."""
     view = np.frombuffer(buf, dtype=np.float32)
     per = tensor_bytes // 4
     times = []
     before = resource.getrusage(resource.RUSAGE_SELF)
-    t0 = time.perf_counter()
+    t0 = clock()
     for lo in range(0, view.size, per):
-        t = time.perf_counter()
+        t = clock()
         np.add.reduce(view[lo:lo + per])
-        times.append((time.perf_counter() - t) * 1e3)
-    total = time.perf_counter() - t0
+        times.append((clock() - t) * 1e3)
+    total = clock() - t0
     after = resource.getrusage(resource.RUSAGE_SELF)
     del view
     return total, times, after.ru_minflt - before.ru_minflt, after.ru_majflt - before.ru_majflt
@@ -447,8 +446,6 @@ def wired_reads(buffer_bytes: int = 256 * MiB, tensor_bytes: int = 4 * MiB, repe
     "prefaulted" reads pages written once before, "mlocked" reads pages written and then mlocked
     (an mlock that fails, e.g. without CAP_IPC_LOCK beyond RLIMIT_MEMLOCK, is recorded in `error`
     and the pass still runs, unlocked). Each repeat maps a new buffer."""
-    import mmap
-
     if tensor_bytes < 4 or buffer_bytes < tensor_bytes or repeats < 1:
         raise ValueError(f"wired_reads needs 4 <= tensor_bytes <= buffer_bytes and repeats >= 1, got "
                          f"{tensor_bytes}, {buffer_bytes}, {repeats}")

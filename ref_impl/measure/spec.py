@@ -16,27 +16,26 @@ See chapter: speculative-decoding
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
 
+from ref_impl.engine import mtp
+from ref_impl.engine.checkpoint import load
 from ref_impl.engine.generate import Sampler
-from ref_impl.engine.model import Model, default_dtype, load
+from ref_impl.engine.model import Model, default_dtype
 from ref_impl.engine.random import args_for, random_model
 from ref_impl.engine.speculative import Drafter, SpeculativeStep, speculative_decode, speculative_generate
 from ref_impl.engine.tokenizer import Tokenizer
-from ref_impl.measure.bench import _summarize, _time_tokens, forward_sweep, ours
-from ref_impl.measure.latency import _dtype_name, _record
+from ref_impl.measure.decode import forward_sweep, ours
+from ref_impl.measure.records import dtype_name, record
 from ref_impl.platform import blas
+from ref_impl.platform.timing import TokenRun, decode_metrics, median, repeat, token_runs
 from ref_impl.theory.speedup import expected_tokens, speedup
-
-if TYPE_CHECKING:
-    from ref_impl.engine.mtp import MTPHeads
+from ref_impl.training.corpus import heldout_stream
 
 # ---- acceptance, measured ---------------------------------------------------------------------------
 
@@ -85,10 +84,8 @@ def acceptance_by_position(steps: Sequence[SpeculativeStep], into: Acceptance | 
 
 
 def heldout_prompts(tokenizer: Tokenizer, n: int, length: int) -> tuple[list[list[int]], str]:
-    """n prompts of `length` tokens from the held-out files (`train.heldout_stream`), spread evenly over
+    """n prompts of `length` tokens from the held-out files (`corpus.heldout_stream`), spread evenly over
     them, each led by BOS as in training; and the corpus fingerprint."""
-    from ref_impl.training.train import heldout_stream
-
     stream, fingerprint = heldout_stream(tokenizer)
     if n < 1 or length < 2 or len(stream) < n * length:
         raise ValueError(f"cannot take {n} prompts of {length} tokens from {len(stream)} held-out tokens")
@@ -178,7 +175,7 @@ class SpecPlan:
 
 
 def _steps_stream(make_steps: Callable[[], Iterator[SpeculativeStep]], log: list) -> Iterator[int]:
-    """The tokens of a fresh run of make_steps, one at a time (as `bench._time_tokens` pulls them); its
+    """The tokens of a fresh run of make_steps, one at a time (as `timing.time_tokens` pulls them); its
     steps go to log."""
     log.clear()
     for step in make_steps():
@@ -186,23 +183,13 @@ def _steps_stream(make_steps: Callable[[], Iterator[SpeculativeStep]], log: list
         yield from step.tokens
 
 
-def _time_runs(make_steps: Callable[[], Iterator[SpeculativeStep]], n: int,
-               repeats: int) -> tuple[list, list[SpeculativeStep]]:
-    """`repeats` timed runs of n tokens (bench's (start, token times, ids) each) and the last run's steps."""
+def _step_runs(make_steps: Callable[[], Iterator[SpeculativeStep]], n: int,
+               repeats: int) -> tuple[list[TokenRun], list[SpeculativeStep]]:
+    """`repeats` timed runs of n tokens (no warm-up) and the last run's steps."""
     log: list[SpeculativeStep] = []
-    runs = [_time_tokens(_steps_stream(make_steps, log), n) for _ in range(repeats)]
+    runs = token_runs(lambda: _steps_stream(make_steps, log), n, repeats, warmup=0)
     mx.synchronize()
     return runs, list(log)
-
-
-def _median_s(fn: Callable[[], mx.array], repeats: int) -> float:
-    mx.eval(fn())                                                           # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
 
 
 def bench_spec(target_path: str | Path, draft_path: str | Path, heads_path: str | Path | None = None,
@@ -211,7 +198,7 @@ def bench_spec(target_path: str | Path, draft_path: str | Path, heads_path: str 
     """Every measurement of this module as results records ("spec-alpha", "spec-forward", "spec-speed")
     for the GGUF target and draft, the MTP heads at heads_path (None: no MTP) and the random pairs of
     `plan` (default: SpecPlan.for_device). On the CPU everything runs on one BLAS thread, as
-    `bench.forward_sweep` times, so forward times and decode speeds are taken alike."""
+    `decode.forward_sweep` times, so forward times and decode speeds are taken alike."""
     gpu = mx.default_device() == mx.gpu
     plan = plan or SpecPlan.for_device(gpu)
     say = progress or (lambda msg: None)
@@ -226,7 +213,6 @@ def bench_spec(target_path: str | Path, draft_path: str | Path, heads_path: str 
     names = {"target": Path(target_path).stem, "draft": Path(draft_path).stem}
     heads = None
     if heads_path is not None:
-        from ref_impl.engine import mtp
         heads = mtp.load_heads(heads_path, target, dtype)
         names["mtp"] = Path(heads_path).stem
     mtp_gammas = [g for g in plan.gammas if heads is not None and g <= heads.k]
@@ -236,7 +222,7 @@ def bench_spec(target_path: str | Path, draft_path: str | Path, heads_path: str 
     return rec
 
 
-def _alpha_records(plan: SpecPlan, target: Model, draft: Model, heads: MTPHeads | None, tokenizer: Tokenizer,
+def _alpha_records(plan: SpecPlan, target: Model, draft: Model, heads: mtp.MTPHeads | None, tokenizer: Tokenizer,
                    names: dict, mtp_gammas: list[int], say: Callable[[str], None], seed: int) -> list[dict]:
     """spec-alpha: acceptance per position and per γ on held-out prompts, and tokens per verification
     against E(α, γ) at the pooled α."""
@@ -244,9 +230,8 @@ def _alpha_records(plan: SpecPlan, target: Model, draft: Model, heads: MTPHeads 
     methods = [("draft-model", names["draft"], list(plan.gammas),
                 lambda p, n, g, s: speculative_decode(target, draft, p, n, g, s))]
     if heads is not None:
-        from ref_impl.engine import mtp
         methods.append(("mtp", names["mtp"], mtp_gammas, lambda p, n, g, s: mtp.mtp_decode(target, heads, p, n, g, s)))
-    kv = _dtype_name(target)
+    kv = dtype_name(target.norm.weight.dtype)
     context = plan.alpha_prompt_len + plan.alpha_tokens
     rec = []
     for variant, drafter, gammas, decode in methods:
@@ -255,20 +240,24 @@ def _alpha_records(plan: SpecPlan, target: Model, draft: Model, heads: MTPHeads 
             judged = accepted = 0
             extra = {"drafter": drafter, "temperature": temperature, "prompts": len(prompts),
                      "tokens": plan.alpha_tokens, "corpus_sha256": fingerprint}
-            base = ("spec-alpha", names["target"], kv.upper(), kv, context, variant)
+            fields = {"model": names["target"], "weights": kv.upper(), "kv": kv, "context": context,
+                      "variant": variant, **extra}
             for g in gammas:
                 acc = measure_acceptance(decode, prompts, g, plan.alpha_tokens, temperature, seed)
                 judged, accepted = judged + sum(acc.judged), accepted + sum(acc.accepted)
                 rate = sum(acc.accepted) / (g * acc.steps)
-                rec += [_record(*base, "alpha", "fraction", acc.alpha, gamma=g, judged=sum(acc.judged), **extra),
-                        _record(*base, "acceptance_rate", "fraction", rate, gamma=g, **extra),
-                        _record(*base, "tokens_per_step", "tokens", acc.tokens_per_step, gamma=g, steps=acc.steps,
-                                **extra),
-                        _record(*base, "tokens_per_step_model", "tokens", expected_tokens(acc.alpha, g), gamma=g,
-                                **extra)]
-                rec += [_record(*base, "alpha_position", "fraction", a, gamma=g, position=i + 1, judged=j, **extra)
+                rec += [record("spec-alpha", "alpha", "fraction", acc.alpha, **fields, gamma=g,
+                               judged=sum(acc.judged)),
+                        record("spec-alpha", "acceptance_rate", "fraction", rate, **fields, gamma=g),
+                        record("spec-alpha", "tokens_per_step", "tokens", acc.tokens_per_step, **fields, gamma=g,
+                               steps=acc.steps),
+                        record("spec-alpha", "tokens_per_step_model", "tokens", expected_tokens(acc.alpha, g),
+                               **fields, gamma=g)]
+                rec += [record("spec-alpha", "alpha_position", "fraction", a, **fields, gamma=g, position=i + 1,
+                               judged=j)
                         for i, (a, j) in enumerate(zip(acc.per_position, acc.judged)) if j]
-            rec.append(_record(*base, "alpha", "fraction", accepted / judged, gamma=None, judged=judged, **extra))
+            rec.append(record("spec-alpha", "alpha", "fraction", accepted / judged, **fields, gamma=None,
+                              judged=judged))
     return rec
 
 
@@ -276,26 +265,28 @@ def _forward_records(name: str, model: Model, plan: SpecPlan, offset: int) -> tu
     """spec-forward records of one model (forward over 1..γmax+1 positions after `offset` cached tokens)
     and the verify ratios t(γ+1)/t(1) by γ."""
     lengths, seconds = forward_sweep(model, range(1, max(plan.gammas) + 2), plan.forward_repeats, offset=offset)
-    kv = _dtype_name(model)
+    kv = dtype_name(model.norm.weight.dtype)
     rec = []
     for L, s in zip(lengths, seconds):
-        base = ("spec-forward", name, kv.upper(), kv, offset + L, None)
-        rec += [_record(*base, "forward_ms", "ms", s * 1e3, positions=L, offset=offset, note=plan.note),
-                _record(*base, "forward_ratio", "ratio", s / seconds[0], positions=L, offset=offset, note=plan.note)]
+        fields = {"model": name, "weights": kv.upper(), "kv": kv, "context": offset + L}
+        rec += [record("spec-forward", "forward_ms", "ms", s * 1e3, **fields, positions=L, offset=offset,
+                       note=plan.note),
+                record("spec-forward", "forward_ratio", "ratio", s / seconds[0], **fields, positions=L, offset=offset,
+                       note=plan.note)]
     return rec, {L - 1: s / seconds[0] for L, s in zip(lengths, seconds) if L > 1}
 
 
 def _plain(name: str, model: Model, prompt: list[int], n: int, plan: SpecPlan, pipeline: bool = True,
            **extra) -> tuple[dict, float, list[int]]:
-    """Plain greedy decoding of n tokens (`bench.ours`, async_eval-pipelined or not): its spec-speed
+    """Plain greedy decoding of n tokens (`decode.ours`, async_eval-pipelined or not): its spec-speed
     record, the median tokens/s, and the last run's tokens."""
     runs = ours(model, prompt, n, plan.repeats, pipeline)
     mx.synchronize()
-    tps = _summarize(runs, len(prompt))["tokens_per_s"]
-    kv = _dtype_name(model)
-    record = _record("spec-speed", name, kv.upper(), kv, len(prompt) + n, "plain" if pipeline else "plain-sync",
-                     "tokens_per_s", "tok/s", tps[0], tps[1], note=plan.note, **extra)
-    return record, tps[0], runs[-1][2]
+    tps, samples = decode_metrics(runs, len(prompt))["tokens_per_s"]
+    kv = dtype_name(model.norm.weight.dtype)
+    rec = record("spec-speed", "tokens_per_s", "tok/s", tps, samples=samples, model=name, weights=kv.upper(), kv=kv,
+                 context=len(prompt) + n, variant="plain" if pipeline else "plain-sync", note=plan.note, **extra)
+    return rec, tps, runs[-1].ids
 
 
 @dataclass
@@ -319,30 +310,31 @@ def _method_records(m: _Method, gammas: Sequence[int], plan: SpecPlan) -> list[d
     realized α and measured c (verification costing one step, and costing the measured ratio)."""
     n, P = plan.gen_tokens, plan.prompt_len
     for g in gammas:        # warm-up per γ: its γ+1-position verification is a new shape (compiled on first use on CUDA)
-        _time_runs(lambda: m.make_steps(g), min(n, 32), 1)
-    kv = _dtype_name(m.model)
+        _step_runs(lambda: m.make_steps(g), min(n, 32), 1)
+    kv = dtype_name(m.model.norm.weight.dtype)
     rec = []
     for g in gammas:
-        runs, steps = _time_runs(lambda: m.make_steps(g), n, plan.repeats)
-        tps = _summarize(runs, P)["tokens_per_s"]
+        runs, steps = _step_runs(lambda: m.make_steps(g), n, plan.repeats)
+        tps = decode_metrics(runs, P)["tokens_per_s"]
         acc = acceptance_by_position(steps)
         c, r = m.cost(g), m.verify.get(g, float("nan"))
-        agree = float(np.mean(np.array(runs[-1][2]) == np.array(m.reference[:n])))
-        base = ("spec-speed", m.target, kv.upper(), kv, P + n, m.variant)
-        extra = {"drafter": m.drafter, "gamma": g, "alpha_set": m.alpha_set, "note": plan.note}
-        rec += [_record(*base, "tokens_per_s", "tok/s", tps[0], tps[1], **extra),
-                _record(*base, "speedup", "ratio", tps[0] / m.plain_tps, [t / m.plain_tps for t in tps[1]], **extra),
-                _record(*base, "alpha", "fraction", acc.alpha, judged=sum(acc.judged), **extra),
-                _record(*base, "tokens_per_step", "tokens", acc.tokens_per_step, steps=acc.steps, **extra),
-                _record(*base, "cost_ratio", "ratio", c, **extra),
-                _record(*base, "speedup_model", "ratio", speedup(acc.alpha, g, c), **extra),
-                _record(*base, "speedup_model_verify", "ratio", speedup(acc.alpha, g, c, r) if r == r else None,
-                        verify_ratio=r, **extra),
-                _record(*base, "greedy_agreement", "fraction", agree, **extra)]
+        agree = float(np.mean(np.array(runs[-1].ids) == np.array(m.reference[:n])))
+        fields = {"model": m.target, "weights": kv.upper(), "kv": kv, "context": P + n, "variant": m.variant,
+                  "drafter": m.drafter, "gamma": g, "alpha_set": m.alpha_set, "note": plan.note}
+        rec += [record("spec-speed", "tokens_per_s", "tok/s", tps[0], samples=tps[1], **fields),
+                record("spec-speed", "speedup", "ratio", tps[0] / m.plain_tps,
+                       samples=[t / m.plain_tps for t in tps[1]], **fields),
+                record("spec-speed", "alpha", "fraction", acc.alpha, **fields, judged=sum(acc.judged)),
+                record("spec-speed", "tokens_per_step", "tokens", acc.tokens_per_step, **fields, steps=acc.steps),
+                record("spec-speed", "cost_ratio", "ratio", c, **fields),
+                record("spec-speed", "speedup_model", "ratio", speedup(acc.alpha, g, c), **fields),
+                record("spec-speed", "speedup_model_verify", "ratio",
+                       speedup(acc.alpha, g, c, r) if r == r else None, **fields, verify_ratio=r),
+                record("spec-speed", "greedy_agreement", "fraction", agree, **fields)]
     return rec
 
 
-def _speed_records(plan: SpecPlan, target: Model, draft: Model, heads: MTPHeads | None, tokenizer: Tokenizer,
+def _speed_records(plan: SpecPlan, target: Model, draft: Model, heads: mtp.MTPHeads | None, tokenizer: Tokenizer,
                    names: dict, mtp_gammas: list[int], say: Callable[[str], None], seed: int) -> list[dict]:
     """spec-forward and spec-speed records: the shipped pair and MTP on a held-out prompt, then each
     random pair with α set by construction on a random prompt."""
@@ -361,10 +353,10 @@ def _speed_records(plan: SpecPlan, target: Model, draft: Model, heads: MTPHeads 
     rec += _method_records(_Method(names["target"], target, "draft-model", names["draft"], pair_steps, plain_tps,
                                    reference, lambda g: plain_tps / draft_tps, verify), plan.gammas, plan)
     if heads is not None:
-        from ref_impl.engine import mtp
         say(f"spec-speed: {names['target']} with MTP heads {names['mtp']}")
         h = mx.random.normal((target.args.hidden_size,), key=mx.random.key(seed)).astype(target.norm.weight.dtype)
-        heads_s = {g: _median_s(lambda: target.logits(heads(h, g)), plan.forward_repeats) for g in mtp_gammas}
+        heads_s = {g: median(repeat(lambda: mx.eval(target.logits(heads(h, g))), plan.forward_repeats))
+                   for g in mtp_gammas}
 
         def mtp_steps(g: int) -> Iterator[SpeculativeStep]:
             return mtp.mtp_generate(target, heads, prompt, Sampler(), target.make_cache(ctx), g)

@@ -38,7 +38,7 @@ and kernel outputs with `cudaMallocAsync` in device memory; the first CPU access
 `cuda_memory_kind` asks the driver what the installed MLX returned). That first read crosses PCIe,
 and a kernel's first read of a host-made array migrates its pages the other way: these are the
 transfers unified memory avoids, timed here against a second read of the same bytes.
-`ref_impl.theory.interconnect.measure_link` times the same link with pinned PyTorch copies.
+`ref_impl.measure.link.measure_link` times the same link with pinned PyTorch copies.
 
     python -m ref_impl bench --unified --label cpu-2core
 
@@ -54,10 +54,11 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from ref_impl.measure.latency import _record
-from ref_impl.theory.interconnect import SIZES, _timed
+from ref_impl.measure.link import SIZES
+from ref_impl.measure.records import record
+from ref_impl.platform.timing import best, median, repeat, within
 
-MAX_BYTES = 256 << 20                                   # 4 KiB .. 256 MiB of interconnect.SIZES
+MAX_BYTES = 256 << 20                                   # 4 KiB .. 256 MiB of link.SIZES
 SENTINEL = 42.0
 
 # route -> (direction, conversion); every route takes the source array and returns the converted one
@@ -165,8 +166,8 @@ def _check_sizes(sizes: Sequence[int]) -> list[int]:
 
 def conversion_times(route: str, sizes: Sequence[int] = SIZES[:9], budget_s: float = 2.0) -> list[dict]:
     """Per size: median microseconds of one conversion (a result from MLX evaluated), whether it
-    copied (by address), and for a copy the rate (GB/s, best of the repeats); the budget is split
-    over sizes."""
+    copied (by address), and for a copy the rate (GB/s, best of the repeats: noise only adds time);
+    the budget is split over sizes."""
     direction, convert = _route(route)
     sizes = _check_sizes(sizes)
     out = []
@@ -182,14 +183,14 @@ def conversion_times(route: str, sizes: Sequence[int] = SIZES[:9], budget_s: flo
                 mx.eval(dst)
         once()                                          # warm-up: allocator caches, pages touched
         copies = not shares_memory(src, np.asarray(convert(src)))
-        times = _timed(once, budget_s / len(sizes), min_reps=3, max_reps=200)
-        extra = {"direction": direction, "bytes": size, "copies": copies, "device": mx.default_device().type.name}
-        out.append(_record("unified", None, None, None, None, route, "convert_us", "us",
-                           float(np.median(times)) * 1e6, [t * 1e6 for t in times], **extra))
+        times = within(once, budget_s / len(sizes), min_reps=3, max_reps=200)
+        extra = {"variant": route, "direction": direction, "bytes": size, "copies": copies,
+                 "device": mx.default_device().type.name}
+        out.append(record("unified", "convert_us", "us", median(times) * 1e6, samples=[t * 1e6 for t in times],
+                          **extra))
         if copies:
-            rates = [size / t / 1e9 for t in times]
-            out.append(_record("unified", None, None, None, None, route, "convert_bandwidth", "GB/s",
-                               max(rates), rates, **extra))
+            out.append(record("unified", "convert_bandwidth", "GB/s", size / best(times) / 1e9,
+                              samples=[size / t / 1e9 for t in times], **extra))
     return out
 
 
@@ -204,7 +205,8 @@ def _fresh_result(src: mx.array, i: int) -> mx.array:
 
 
 def _once(fn: Callable) -> float:
-    return _timed(fn, 0.0, min_reps=1, max_reps=1)[0]
+    """Seconds of one call of fn, no warm-up: a first read is the one measured."""
+    return repeat(fn, 1, warmup=0)[0]
 
 
 def first_reads(sizes: Sequence[int] = SIZES[:9], repeats: int = 5) -> list[dict]:
@@ -244,11 +246,11 @@ def first_reads(sizes: Sequence[int] = SIZES[:9], repeats: int = 5) -> list[dict
         for key, name in names.items():
             rates = [size / s / 1e9 for s in t[key]]
             mem = memory["result" if key.startswith("host") else "mx.array(np)"]
-            out.append(_record("unified", None, None, None, None, name, "read_bandwidth", "GB/s",
-                               float(np.median(rates)), rates, memory=mem, **base))
-        out.append(_record("unified", None, None, None, None, f"export of a fresh {device} result (np.asarray)",
-                           "export_us", "us", float(np.median(t["export"])) * 1e6,
-                           [s * 1e6 for s in t["export"]], memory=memory["result"], **base))
+            out.append(record("unified", "read_bandwidth", "GB/s", median(rates), samples=rates, variant=name,
+                              memory=mem, **base))
+        out.append(record("unified", "export_us", "us", median(t["export"]) * 1e6,
+                          samples=[s * 1e6 for s in t["export"]],
+                          variant=f"export of a fresh {device} result (np.asarray)", memory=memory["result"], **base))
     return out
 
 
@@ -266,14 +268,12 @@ def measure_unified(max_bytes: int = MAX_BYTES, budget_s: float = 20.0, repeats:
             fact = conversion_fact(route)
             times = conversion_times(route, sizes, budget_s / len(ROUTES))
         except (TypeError, ValueError, RuntimeError, BufferError) as e:
-            out.append(_record("unified", None, None, None, None, route, "skipped", "count", 0,
-                               direction=direction, device=device, note=f"{type(e).__name__}: {e}"))
+            out.append(record("unified", "skipped", "count", 0, variant=route, direction=direction, device=device,
+                              note=f"{type(e).__name__}: {e}"))
             continue
-        where = {"direction": direction, "device": device, "src_address": hex(fact.src_address),
+        where = {"variant": route, "direction": direction, "device": device, "src_address": hex(fact.src_address),
                  "dst_address": hex(fact.dst_address), "memory": cuda_memory_kind(fact.dst_address)}
-        out += [_record("unified", None, None, None, None, route, "shares_memory", "bool", fact.shares_memory,
-                        **where),
-                _record("unified", None, None, None, None, route, "writes_seen", "bool", fact.writes_seen,
-                        **where)]
+        out += [record("unified", "shares_memory", "bool", fact.shares_memory, **where),
+                record("unified", "writes_seen", "bool", fact.writes_seen, **where)]
         out += times
     return out + first_reads(sizes, repeats)

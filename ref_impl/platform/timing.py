@@ -2,7 +2,10 @@
 
 Every timing in ref_impl reads `clock` (time.perf_counter: monotonic, the finest resolution the OS
 gives) and is taken by one of three loops here: a fixed number of calls (`repeat`), as many calls as
-fit in a time budget (`within`), or the tokens of a generator as they arrive (`time_tokens`). The
+fit in a time budget (`within`), or the tokens of a generator as they arrive (`time_tokens`, and
+`token_runs` for a warm-up and repeated generations). A call far shorter than the clock's grain is
+timed `calls` times back to back per sample (`calls_per_sample` picks how many). `wall` is the
+calendar clock, only for instants compared across processes (perf_counter's zero is per process). The
 numbers a chapter quotes are medians of those samples (`median`, `summary`): robust to the one
 preempted run that a mean would carry. `best` (the minimum) is for the rare question "how fast can
 this go at all", such as a memory sweep whose noise only ever adds time; a caller that takes it says so.
@@ -21,32 +24,36 @@ from dataclasses import dataclass
 import numpy as np
 
 clock = time.perf_counter
+wall = time.time
 
 
-def repeat(fn: Callable[[], object], reps: int, warmup: int = 1) -> list[float]:
-    """Seconds of each of `reps` calls of fn, after `warmup` untimed calls (kernels compiled, pages touched)."""
-    if reps < 1:
-        raise ValueError(f"reps must be at least 1, got {reps}")
+def _sample(fn: Callable[[], object], calls: int) -> float:
+    """Seconds per call of `calls` back-to-back calls of fn."""
+    t0 = clock()
+    for _ in range(calls):
+        fn()
+    return (clock() - t0) / calls
+
+
+def repeat(fn: Callable[[], object], reps: int, warmup: int = 1, calls: int = 1) -> list[float]:
+    """Seconds per call of each of `reps` samples (each `calls` back-to-back calls of fn), after `warmup`
+    untimed calls (kernels compiled, pages touched)."""
+    if reps < 1 or calls < 1:
+        raise ValueError(f"reps and calls must be at least 1, got {reps}, {calls}")
     for _ in range(warmup):
         fn()
-    out = []
-    for _ in range(reps):
-        t0 = clock()
-        fn()
-        out.append(clock() - t0)
-    return out
+    return [_sample(fn, calls) for _ in range(reps)]
 
 
 def within(fn: Callable[[], object], budget_s: float, min_reps: int = 3, max_reps: int = 1000,
-           warmup: int = 0) -> list[float]:
-    """Seconds of each call of fn: at least min_reps calls, then more while the budget lasts (max_reps at most)."""
+           warmup: int = 0, calls: int = 1) -> list[float]:
+    """Seconds per call of each sample (`calls` back-to-back calls of fn): at least min_reps samples, then
+    more while the budget lasts (max_reps at most)."""
     for _ in range(warmup):
         fn()
     out, start = [], clock()
     while len(out) < min_reps or (clock() - start < budget_s and len(out) < max_reps):
-        t0 = clock()
-        fn()
-        out.append(clock() - t0)
+        out.append(_sample(fn, calls))
     return out
 
 
@@ -100,6 +107,14 @@ def time_tokens(tokens: Iterator, n: int) -> TokenRun:
         times.append(clock())
         ids.append(int(token))
     return TokenRun(start, times, ids)
+
+
+def token_runs(make_stream: Callable[[], Iterator], n: int, repeats: int, warmup: int = 1) -> list[TokenRun]:
+    """`repeats` timed runs of n tokens, each from a fresh generator of make_stream, after `warmup`
+    untimed runs (kernels compiled, caches allocated, pages touched)."""
+    for _ in range(warmup):
+        time_tokens(make_stream(), n)
+    return [time_tokens(make_stream(), n) for _ in range(repeats)]
 
 
 def decode_metrics(runs: Sequence[TokenRun], prompt_len: int) -> dict[str, tuple[float, list[float]]]:

@@ -5,8 +5,8 @@ every transaction-layer packet (TLP) adds to its payload, each named. (2) Thunde
 80 Gb/s per direction (120 with Bandwidth Boost), a PCIe tunnel whose ends are PCIe Gen4 x4, and the
 "efficiency stack" from the wire to payload bytes. (3) A transfer-time model: a handshake per
 transfer, a credit window, retimer jitter and bit-error replays, run as a seeded Monte Carlo.
-(4) Weight streaming: tokens/s when part of the weights must cross the link for every token. And two
-measurements: host memory copies (numpy) and, where PyTorch sees a CUDA GPU, host<->device copies.
+(4) Weight streaming: tokens/s when part of the weights must cross the link for every token. The
+measurements (host memory copies, host<->device copies) are `ref_impl.measure.link`.
 
 Units: GB is 1e9 bytes, Gb is 1e9 bits; GT/s is transfers (bits per lane) per second.
 
@@ -23,12 +23,11 @@ See chapter: interconnect
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ref_impl.theory import shapes
+from ref_impl.theory import roofline, shapes
 
 GT_PER_LANE = {1: 2.5, 2: 5.0, 3: 8.0, 4: 16.0, 5: 32.0}   # GT/s, PCIe Base Specification per generation
 DLLP_BYTES = 8          # a DLLP is 6 bytes, plus a 2-byte SDP token (Gen3+) or SDP + END symbols (Gen1/2)
@@ -233,161 +232,6 @@ def overflow_for(tokens_per_s: float, link_gbs: float) -> float:
     return link_gbs / tokens_per_s
 
 
-# ---- measurements ----------------------------------------------------------------------------------------
-
-SIZES = tuple(4096 * 4**i for i in range(10))   # 4 KiB .. 1 GiB
-
-
-def _record(variant: str, metric: str, unit: str, value: float, samples=(), **extra) -> dict:
-    return {"experiment": "link", "model": None, "weights": None, "kv": None, "context": None,
-            "variant": variant, "metric": metric, "unit": unit, "value": float(value),
-            "samples": [float(s) for s in samples][:200], "peer": None, **extra}
-
-
-def _timed(fn, budget_s: float, min_reps: int = 3, max_reps: int = 1000) -> list[float]:
-    """Seconds of repeated calls of fn, as many as the budget allows (at least min_reps)."""
-    times, start = [], time.perf_counter()
-    while len(times) < min_reps or (time.perf_counter() - start < budget_s and len(times) < max_reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-def host_copy_bandwidth(sizes=SIZES, budget_s: float = 4.0, max_bytes: int = 1 << 30) -> list[dict]:
-    """Host memory copy rate (np.copyto, bytes copied per second, best of the repeats) per size, the
-    budget split evenly over sizes; small sizes are timed in batches to stay above the clock's grain."""
-    sizes = [s for s in sizes if s <= max_bytes]
-    out = []
-    for size in sizes:
-        src, dst = np.ones(size, np.uint8), np.zeros(size, np.uint8)
-        batch = max(1, (1 << 20) // size)
-
-        def copy():
-            for _ in range(batch):
-                np.copyto(dst, src)
-        copy()                                          # warm-up: pages touched
-        rates = [batch * size / t / 1e9 for t in _timed(copy, budget_s / len(sizes), max_reps=200)]
-        out.append(_record("host copy (numpy)", "copy_bandwidth", "GB/s", max(rates), rates, bytes=size))
-    return out
-
-
-def device_copy_bandwidth(sizes=SIZES, budget_s: float = 60.0, max_bytes: int = 1 << 30,
-                          layers: int = 64) -> tuple[list[dict], str | None]:
-    """Host<->device copies through PyTorch, when it sees a CUDA GPU: (records, None), or ([], why not).
-
-    Per direction (h2d, d2h), host memory (pageable, pinned) and size: GB/s by CUDA events around the
-    copy on the current stream (GPU-side time) and by the host clock around copy + synchronize. Then
-    the handshake experiment: `layers` pinned transfers with a synchronize after each against one
-    transfer of the same bytes, repeated; and 4 KiB pinned transfers one by one (per-transfer time)."""
-    try:
-        import torch
-    except ImportError:
-        return [], "torch is not installed: host-device copies not measured"
-    if not torch.cuda.is_available():
-        return [], "torch sees no CUDA device: host-device copies not measured"
-    sizes = [s for s in sizes if s <= max_bytes]
-    each = budget_s / (5 * len(sizes))                  # 4 configurations, then the handshake runs
-    out = []
-    for pinned in (False, True):
-        for direction in ("h2d", "d2h"):
-            variant = f"{direction} {'pinned' if pinned else 'pageable'}"
-            for size in sizes:
-                host = torch.ones(size, dtype=torch.uint8)
-                host = host.pin_memory() if pinned else host
-                dev = torch.empty(size, dtype=torch.uint8, device="cuda")
-                src, dst = (host, dev) if direction == "h2d" else (dev, host)
-                dst.copy_(src, non_blocking=pinned)     # warm-up
-                torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                ev, wall, t0 = [], [], time.perf_counter()
-                while len(ev) < 3 or (time.perf_counter() - t0 < each and len(ev) < 200):
-                    w0 = time.perf_counter()
-                    start.record()
-                    dst.copy_(src, non_blocking=pinned)
-                    end.record()
-                    end.synchronize()                   # also waits for the copy queued before `end`
-                    wall.append(time.perf_counter() - w0)
-                    ev.append(start.elapsed_time(end) / 1e3)
-                for metric, ts in (("copy_bandwidth", ev), ("copy_bandwidth_wall", wall)):
-                    rates = [size / t / 1e9 for t in ts if t > 0]
-                    out.append(_record(variant, metric, "GB/s", max(rates), rates, bytes=size))
-                del host, dev, src, dst
-    total = min(max_bytes, 256 << 20)
-    host = torch.ones(total, dtype=torch.uint8).pin_memory()
-    dev = torch.empty(total, dtype=torch.uint8, device="cuda")
-    chunk = total // layers
-
-    def per_layer():
-        for i in range(layers):
-            dev[i * chunk:(i + 1) * chunk].copy_(host[i * chunk:(i + 1) * chunk], non_blocking=True)
-            torch.cuda.synchronize()                    # a handshake per layer
-
-    def contiguous():
-        dev.copy_(host, non_blocking=True)
-        torch.cuda.synchronize()
-    for name, fn in ((f"h2d pinned, {layers} transfers, sync each", per_layer),
-                     ("h2d pinned, one transfer", contiguous)):
-        fn()
-        ts = _timed(fn, budget_s / 10, min_reps=10, max_reps=200)
-        out.append(_record(name, "completion_ms", "ms", float(np.median(ts)) * 1e3, [t * 1e3 for t in ts],
-                           bytes=total, transfers=layers if "sync each" in name else 1))
-    small = host[:4096]
-
-    def one_small():
-        dev[:4096].copy_(small, non_blocking=True)
-        torch.cuda.synchronize()
-    one_small()
-    ts = _timed(one_small, budget_s / 20, min_reps=100, max_reps=2000)
-    out.append(_record("h2d pinned 4 KiB, sync each", "transfer_us", "us", float(np.median(ts)) * 1e6,
-                       [t * 1e6 for t in ts], bytes=4096, p99_us=float(np.percentile(ts, 99)) * 1e6))
-    out += _pcie_link_records()
-    return out, None
-
-
-def _pcie_link_records() -> list[dict]:
-    """The GPU's PCIe generation and width (current and maximum), as nvidia-smi reports them."""
-    import subprocess
-    fields = ("pcie.link.gen.current", "pcie.link.width.current", "pcie.link.gen.max", "pcie.link.width.max")
-    try:
-        res = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20)
-        values = [float(v) for v in res.stdout.splitlines()[0].split(",")]
-    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
-        return []
-    return [_record("nvidia-smi", f.replace(".", "_"), "gen" if "gen" in f else "lanes", v)
-            for f, v in zip(fields, values)]
-
-
-def host_copy_recorded(results_dir=None) -> dict[str, dict]:
-    """Recorded host copy rates (`bench --link`, variant "host copy (numpy)") per machine label, from the
-    latest results file of each machine: {label: {"machine": {...}, "file": name, "sizes": [bytes],
-    "gbs": [GB/s]}}, sizes ascending. The recorded view the chapter argues from; a live run only adds to it."""
-    from ref_impl.measure import records
-
-    out: dict[str, dict] = {}
-    rows = records.read_results("link", *([results_dir] if results_dir is not None else []))
-    for name, machine, r in rows:                     # files in name order: a later file replaces an earlier
-        if r["variant"] != "host copy (numpy)" or r["metric"] != "copy_bandwidth":
-            continue
-        entry = out.get(machine["label"])
-        if entry is None or entry["file"] != name:
-            entry = out[machine["label"]] = {"machine": machine, "file": name, "points": {}}
-        entry["points"][r["bytes"]] = r["value"]
-    for entry in out.values():
-        points = entry.pop("points")
-        entry["sizes"], entry["gbs"] = sorted(points), [points[b] for b in sorted(points)]
-    return out
-
-
-def measure_link(budget_s: float = 60.0, max_bytes: int = 1 << 30) -> list[dict]:
-    """Every link record: host copies always, host<->device copies where PyTorch sees a GPU; when it
-    does not, one record says why (metric "skipped", its reason in "note")."""
-    records = host_copy_bandwidth(budget_s=min(10.0, budget_s / 4), max_bytes=max_bytes)
-    device, why = device_copy_bandwidth(budget_s=budget_s, max_bytes=max_bytes)
-    return records + (device or [_record("host-device copy (torch)", "skipped", "count", 0, note=why)])
-
-
 VRAM_SIZES_GB = (8, 12, 16, 24)
 
 
@@ -395,8 +239,6 @@ def streaming_grid(models: list[str], bits=(4, 8, 16), vram_sizes=VRAM_SIZES_GB,
                    link_gbs: float = MEASURED["TB5 host-to-device"], reserve_gb: float = 1.0) -> list[dict]:
     """Every (model of shapes.PUBLIC, bits, VRAM size) whose weights overflow VRAM: weight and
     overflow GB, tokens/s streamed (with and without overlap) and resident (if it all fit)."""
-    from ref_impl.theory import roofline
-
     rows = []
     for name in models:
         for b in bits:

@@ -24,12 +24,7 @@ See chapter: intro
 
 from __future__ import annotations
 
-import os
-import platform
-import time
 from dataclasses import dataclass
-
-import numpy as np
 
 from ref_impl.theory.shapes import ModelShape
 
@@ -83,35 +78,6 @@ HARDWARE: dict[str, Hardware] = {hw.name: hw for hw in (
     Hardware("H200 SXM", 141, 4800, 989.5, _TENSOR + " (the page's 1,979 is with sparsity, 2x dense)",
              "NVIDIA, 'H200 Tensor Core GPU', specifications: https://www.nvidia.com/en-us/data-center/h200/"),
 )}
-
-
-def this_machine(seconds: float = 2.0, array_mb: int = 256, matmul_n: int = 2048) -> Hardware:
-    """Measure this machine's roofs live with numpy, best of as many runs as `seconds` allows (>= 3 each).
-
-    Bandwidth: `np.copyto` between two `array_mb` MiB float64 arrays, counting 2 x array bytes per
-    copy (one read, one write). Write-allocate caches may move a third array's worth unseen, so
-    this is a lower bound on the traffic, as STREAM's Copy is. Peak: float32 `matmul_n`-square
-    matmul through numpy's BLAS, 2 n^3 FLOPs, all cores -- a CPU float32 figure, not bf16.
-    """
-    src = np.ones(array_mb * 2**20 // 8)
-    dst = np.zeros_like(src)
-    a = np.ones((matmul_n, matmul_n), np.float32)
-    b = np.ones((matmul_n, matmul_n), np.float32)
-
-    def best(fn, budget: float) -> float:
-        times, start = [], time.perf_counter()
-        while len(times) < 3 or time.perf_counter() - start < budget:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    copy_s = best(lambda: np.copyto(dst, src), seconds / 2)
-    matmul_s = best(lambda: a @ b, seconds / 2)
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-    return Hardware(f"this machine ({platform.machine()}, {os.cpu_count()} CPUs)", memory,
-                    2 * src.nbytes / copy_s / 1e9, 2 * matmul_n**3 / matmul_s / 1e12,
-                    f"float32 numpy matmul, n={matmul_n} (CPU)", "measured live on this machine")
 
 
 def matmul_shapes(shape: ModelShape) -> list[tuple[int, int]]:

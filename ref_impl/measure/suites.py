@@ -1,0 +1,154 @@
+"""The bench command's suites: one table from each `python -m ref_impl bench` flag to the function that
+measures it and the lines that summarize its records.
+
+A suite's `run` takes the command's parsed arguments, a scratch directory for the GGUF files it writes,
+and a progress callback; it returns records (`records.record`), which the command writes to results/.
+Flags are checked in the table's order; no suite flag runs `decode` (`decode.bench_decode`).
+
+See chapter: capstone
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from ref_impl.engine.random import args_for
+from ref_impl.measure import kv, latency, link, loads, spec, unified
+from ref_impl.measure.decode import bench_decode, bench_shape
+from ref_impl.measure.kernels import bench_kernels
+from ref_impl.measure.quant import bench_quant, bench_quant_groups
+
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Suite:
+    """One bench suite: its measurement, and which of its records the command prints."""
+    run: Callable[[argparse.Namespace, Path, Say], list[dict]]
+    show: Callable[[list[dict]], list[str]]
+
+
+def _on_gpu() -> bool:
+    return mx.default_device() == mx.gpu
+
+
+def run_spec(a: argparse.Namespace, work: Path, say: Say) -> list[dict]:
+    """bench --spec: the heads are --mtp-heads, else MODEL-mtp.gguf beside --model if it is there, else none."""
+    heads = Path(a.mtp_heads or Path(a.model).with_name(Path(a.model).stem + "-mtp.gguf"))
+    return spec.bench_spec(Path(a.model), Path(a.draft), heads if a.mtp_heads or heads.is_file() else None,
+                           spec.SpecPlan.for_device(_on_gpu(), a.quick), progress=say)
+
+
+def run_quant_groups(a: argparse.Namespace, work: Path, say: Say) -> list[dict]:
+    if a.ppl_tokens <= 0:
+        raise ValueError("bench --quant-groups measures perplexity: --ppl-tokens must be positive")
+    return bench_quant_groups(Path(a.model), "Q4_K", a.ppl_tokens)
+
+
+def run_kernels(a: argparse.Namespace, work: Path, say: Say) -> list[dict]:
+    shape = a.shape or "Llama-3.1-8B"
+    return bench_kernels(shape, args_for(shape), a.weights, work, a.prompt_len, a.gen_tokens, a.repeats,
+                         llama_bench_binary=Path(a.llama_bench) if a.llama_bench else None, quick=a.quick,
+                         progress=say)
+
+
+# ---- what each suite prints ----------------------------------------------------------------------------
+
+def value_text(r: dict) -> str:
+    return "-" if r["value"] is None else f"{r['value']:.3f}"
+
+
+def show_summary(records: list[dict]) -> list[str]:
+    """Speed, perplexity, size and bandwidth records, one line each: engine (or peer), metric, value."""
+    out = []
+    for r in records:
+        if r["metric"] in ("tokens_per_s", "ttft_ms", "heldout_perplexity", "bits_per_weight", "bandwidth",
+                           "bandwidth_fraction"):
+            who = r["peer"] or "ours" + (f" ({r['variant']})" if r.get("variant") else "")
+            out.append(f"  {r['weights'] or '':<7} {who:<44} {r['metric']:<18} {r['value']:10.3f} {r['unit']}")
+    return out
+
+
+def show_link(records: list[dict]) -> list[str]:
+    largest = max((r.get("bytes") or 0) for r in records)
+    return show_summary(records) + [
+        f"  {r['variant']:<40} {r['metric']:<16} {r['value']:10.3f} {r['unit']} {r.get('note', '')}"
+        for r in records if (r["metric"] == "copy_bandwidth" and r["bytes"] == largest)
+        or r["metric"] in ("completion_ms", "transfer_us", "skipped")]
+
+
+def show_unified(records: list[dict]) -> list[str]:
+    largest = max((r.get("bytes") or 0) for r in records)
+    return show_summary(records) + [
+        f"  {r['variant']:<44} {r['metric']:<17} {value_text(r):>10} {r['unit']} {r.get('note', '')}"
+        for r in records if r["metric"] in ("shares_memory", "writes_seen", "skipped") or (
+            r.get("bytes") == largest and r["metric"] in ("convert_us", "convert_bandwidth", "read_bandwidth",
+                                                          "export_us"))]
+
+
+def show_kernels(records: list[dict]) -> list[str]:
+    out = []
+    for r in records:
+        if r["metric"] in ("speedup", "tokens_per_s", "kernels_per_token", "overhead_us_per_kernel",
+                           "greedy_agreement", "skipped", "peer_error"):
+            where = f"{tuple(r['shape'])} rows {r['rows']}" if "shape" in r else r["experiment"]
+            out.append(f"  {r['weights'] or '':<7} {where:<26} {r['variant'] or '':<36} {r['metric']:<22} "
+                       f"{value_text(r):>10} {r['unit'] or ''} {r.get('note', '')}")
+    return out
+
+
+def show_spec(records: list[dict]) -> list[str]:
+    out = []
+    for r in records:
+        pooled_alpha = r["metric"] == "alpha" and r["experiment"] == "spec-alpha" and r["gamma"] is None
+        if r["metric"] == "speedup" or pooled_alpha:
+            drafter = r["drafter"] + (f" alpha={r['alpha_set']}" if r.get("alpha_set") is not None else "")
+            where = f"gamma={r['gamma']}" if r["gamma"] is not None else f"T={r['temperature']}"
+            out.append(f"  {r['experiment']:<11} {r['model']:<13} {drafter:<28} {where:<9} {r['metric']:<8} "
+                       f"{r['value']:8.3f}")
+    return out
+
+
+def show_kv(records: list[dict]) -> list[str]:
+    return [f"  {r['experiment']:<9} {r['model']:<13} {r['kv']:<12} {r['variant'] or '':<11} "
+            f"{r['context'] or '':>6} {r['metric']:<17} {value_text(r):>10} {r['unit'] or ''} {r.get('note', '')}"
+            for r in records if r["metric"] in ("ppl_delta", "retrieval_rate", "bytes_per_token", "vs_float",
+                                                "crossover_context", "skipped")]
+
+
+def show_dispatch(records: list[dict]) -> list[str]:
+    return [f"  {r['experiment']:<19} {r['model'] or '':<13} {r['variant'] or '':<16} {r['metric']:<20} "
+            f"{value_text(r):>10} {r['unit']}"
+            for r in records if r["metric"] in ("gain", "slowdown", "launch_us", "break_even_elements", "itl_max_ms",
+                                                "first_over_steady")]
+
+
+# flag (an attribute of the parsed arguments) -> suite, in the order the flags are checked
+SUITES: dict[str, Suite] = {
+    "dispatch": Suite(lambda a, work, say: latency.bench_dispatch(
+        Path(a.model), a.shapes, latency.DispatchPlan.for_device(_on_gpu(), a.quick), progress=say), show_dispatch),
+    "spec": Suite(run_spec, show_spec),
+    "kv": Suite(lambda a, work, say: kv.bench_kv(Path(a.model), kv.KVPlan.for_device(_on_gpu(), a.quick), a.shapes,
+                                                 progress=say), show_kv),
+    "link": Suite(lambda a, work, say: link.measure_link(a.link_budget, a.link_max_bytes), show_link),
+    "unified": Suite(lambda a, work, say: unified.measure_unified(a.unified_max_bytes), show_unified),
+    "alignment": Suite(lambda a, work, say: loads.bench_alignment(a.alignment_budget), show_summary),
+    "quant_groups": Suite(run_quant_groups, show_summary),
+    "quant": Suite(lambda a, work, say: bench_quant(Path(a.model), work, a.quant, a.ppl_tokens, a.prompt_len,
+                                                    a.gen_tokens, a.repeats, peers=not a.no_peers), show_summary),
+    "kernels": Suite(run_kernels, show_kernels),
+    "shape": Suite(lambda a, work, say: bench_shape(a.shape, args_for(a.shape), a.weights, work, a.prompt_len,
+                                                    a.gen_tokens, a.repeats), show_summary),
+    "decode": Suite(lambda a, work, say: bench_decode(Path(a.model), a.prompt_len, a.gen_tokens, a.repeats,
+                                                      peers=not a.no_peers), show_summary),
+}
+
+
+def chosen(a: argparse.Namespace) -> str:
+    """The suite the arguments ask for: the first flag of SUITES that is set, else "decode"."""
+    return next((name for name in SUITES if name != "decode" and getattr(a, name)), "decode")
