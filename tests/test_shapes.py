@@ -18,11 +18,13 @@ def test_the_shipped_models_have_the_shape_the_table_gives(name):
 
 
 def test_names_are_unique_across_public_and_stand_ins():
-    assert not set(shapes.PUBLIC) & set(shapes.STAND_INS)
-    assert all(name == s.name for table in (shapes.PUBLIC, shapes.STAND_INS) for name, s in table.items())
+    tables = (shapes.PUBLIC, shapes.KV_ONLY, shapes.STAND_INS)
+    assert sum(map(len, tables)) == len({name for table in tables for name in table})
+    assert all(name == s.name for table in tables for name, s in table.items())
+    assert all(s.intermediate_size for table in (shapes.PUBLIC, shapes.STAND_INS) for s in table.values())
 
 
-@pytest.mark.parametrize("name", [*shapes.PUBLIC, *shapes.STAND_INS])
+@pytest.mark.parametrize("name", [*shapes.PUBLIC, *shapes.KV_ONLY, *shapes.STAND_INS])
 def test_a_llama_shape_round_trips_through_model_args(name):
     s = shapes.shape(name)
     if not s.is_llama:

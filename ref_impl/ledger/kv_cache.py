@@ -19,7 +19,7 @@ from ref_impl.measure.records import FLOAT_KV
 from ref_impl.theory import shapes
 from ref_impl.training.corpus import heldout_stream
 
-KV_TABLES = "kvquality.memory_table (the caches' real nbytes; shapes from config.json: shapes.PUBLIC, Qwen3-30B-A3B)"
+KV_TABLES = "measure.kv.memory_table (the caches' real nbytes; shapes from config.json: shapes.PUBLIC, shapes.KV_ONLY)"
 
 
 def kv_quality_recorded() -> dict[str, dict]:

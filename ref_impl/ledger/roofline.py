@@ -287,7 +287,7 @@ def check_c04(live: bool) -> Verdict:
         expect[name] = [u * gbs / C04_GB for u in C04_UTIL]
         ev |= {f"{name} ({gbs:.0f} GB/s) at {100 * u:.0f}%": Number(x, "tok/s") for u, x in zip(C04_UTIL, expect[name])}
     ev[f"{GDDR7_CARD} at 100%"] = Number(card / C04_GB, "tok/s")
-    kv = roofline.kv_cache_bytes(shapes.PUBLIC["Gemma-3-12B"], 8192) / 1e9  # stand-in: Gemma 4 is not in MODELS
+    kv = roofline.kv_cache_bytes(shapes.PUBLIC["Gemma-3-12B"], 8192) / 1e9  # stand-in: Gemma 4 is not in shapes.PUBLIC
     ev["KV read per token at 8k context, Gemma-3-12B shape, bf16"] = Number(kv, "GB")
     (c_lo, c_hi), (b_lo, b_hi) = expect[GDDR7_CARD], expect["C03's 256-bit bus"]
     summary = (f"{C04_TOKENS[0]:.0f}-{C04_TOKENS[1]:.0f} tok/s × {C04_GB} GB is {read[0]:.0f}-{read[1]:.0f} GB/s, "

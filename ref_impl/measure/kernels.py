@@ -76,8 +76,8 @@ def matrix_chain(model: Model, tokens: int = 32) -> float:
         outs = []
         for layer in model.layers:
             attn = layer.self_attn
-            q = attn.q_proj(h)
-            outs += [attn.k_proj(h), attn.v_proj(h)]
+            q, k, v = attn.qkv(h)          # one launch where kernels.patch fused them
+            outs += [k, v]
             h = layer.mlp(attn.o_proj(q))
         return h, outs + [model.logits(h)]
 

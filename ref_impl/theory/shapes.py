@@ -2,7 +2,7 @@
 
 A shape is what speed depends on: matrix sizes, heads, layers, vocabulary; never the weight values.
 So large-model behaviour (bytes per token, KV memory at 64k context, decode speed) is computed from
-the public shapes in `PUBLIC`, and measured with random weights in them (engine/random.py). The
+the public shapes in `PUBLIC` (and, for KV-cache memory alone, `KV_ONLY`), and measured with random weights in them (engine/random.py). The
 stand-ins in `STAND_INS` are small shapes of the same architecture, for quick runs on a CPU and
 for the models this course trains and ships.
 
@@ -57,15 +57,20 @@ PUBLIC: dict[str, ModelShape] = {m.name: m for m in (
     ModelShape("Qwen3-8B", 151936, 4096, 36, 12288, 32, 8, 128, False, _hf("Qwen/Qwen3-8B"), qk_norm=True),
     ModelShape("Qwen3-14B", 151936, 5120, 40, 17408, 40, 8, 128, False, _hf("Qwen/Qwen3-14B"), qk_norm=True),
     ModelShape("Qwen3-32B", 151936, 5120, 64, 25600, 64, 8, 128, False, _hf("Qwen/Qwen3-32B"), qk_norm=True),
-    # KV heads and layers only: the mixture-of-experts MLP is not modelled (intermediate_size 0)
-    ModelShape("Qwen3-30B-A3B", 151936, 2048, 48, 0, 32, 4, 128, False,
-               _hf("Qwen/Qwen3-30B-A3B") + " (KV heads and layers only; MoE MLP not modelled)", qk_norm=True),
     # text_config only: the SigLIP vision tower (~0.4B) runs once per image, not per token.
     # 16 heads x 256 = 4096 attention width, wider than hidden_size; layers 6, 12, ... 48 are global.
     ModelShape("Gemma-3-12B", 262208, 3840, 48, 15360, 16, 8, 256, True,
                _hf("google/gemma-3-12b-it") + " (text_config; keys it omits are transformers' "
                "Gemma3TextConfig defaults: head_dim 256, vocab 262208, sliding_window_pattern 6)",
                sliding_window=1024, global_every=6, norms_per_layer=4, qk_norm=True),
+)}
+
+# Shapes whose KV cache is all that is modelled: their weights are not (intermediate_size 0 makes any weight count
+# visibly wrong), so they serve the KV-cache chapter's memory arithmetic and nothing else.
+KV_ONLY: dict[str, ModelShape] = {m.name: m for m in (
+    ModelShape("Qwen3-30B-A3B", 151936, 2048, 48, 0, 32, 4, 128, False,
+               _hf("Qwen/Qwen3-30B-A3B") + " (KV heads and layers only; the mixture-of-experts MLP is not modelled)",
+               qk_norm=True),
 )}
 
 
@@ -90,7 +95,8 @@ STAND_INS: dict[str, ModelShape] = {m.name: m for m in (
 
 def shape(name: str) -> ModelShape:
     """The shape of that name, public or stand-in; a clear error listing the names otherwise."""
-    found = PUBLIC.get(name) or STAND_INS.get(name)
+    found = PUBLIC.get(name) or KV_ONLY.get(name) or STAND_INS.get(name)
     if found is None:
-        raise ValueError(f"no model shape {name!r}; public: {', '.join(PUBLIC)}; stand-ins: {', '.join(STAND_INS)}")
+        raise ValueError(f"no model shape {name!r}; public: {', '.join([*PUBLIC, *KV_ONLY])}; "
+                         f"stand-ins: {', '.join(STAND_INS)}")
     return found
