@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from ref_impl.formats import gguf
-from ref_impl.formats.gguf import GGMLType, TensorData
+from ref_impl.formats.ggml import GGMLType
+from ref_impl.formats.gguf import TensorData
 from ref_impl.measure import loads
 
 

@@ -20,7 +20,7 @@ from ref_impl.engine.checkpoint import load, load_model
 from ref_impl.engine.generate import Sampler, generate
 from ref_impl.engine.model import ModelArgs
 from ref_impl.engine.tokenizer import Tokenizer
-from ref_impl.formats import gguf, kquants
+from ref_impl.formats import ggml, gguf, kquants
 
 TOKENS = [3, 17, 42, 5, 96, 0, 11, 64, 23, 8, 50, 2]
 EXACT = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K"]   # codes re-packed, not re-rounded
@@ -35,7 +35,7 @@ def mlx_dequantize(a: transcode.Affine, scale_dtype=mx.float32) -> np.ndarray:
 
 def random_tensor(type_name: str, rows=6, cols=512, seed=0) -> tuple[np.ndarray, transcode.Affine]:
     data = random.random_blocks(type_name, rows, cols, np.random.default_rng(seed))
-    return data, transcode.transcode_tensor("w", gguf.GGMLType[type_name], data, (rows, cols))
+    return data, transcode.transcode_tensor("w", ggml.GGMLType[type_name], data, (rows, cols))
 
 
 # --- packing and exactness ---------------------------------------------------------------------------
@@ -95,7 +95,7 @@ def test_q6_k_requantized_within_half_a_step():
     s_a = rng.integers(-127, 128, 64)
     for s_b in (s_a, -s_a, s_a * np.where(np.abs(s_a) < 64, 2, 1)):   # equal, opposite, double
         data = q6_k_with_scales(s_a, s_b, rng)
-        a = transcode.transcode_tensor("w", gguf.GGMLType.Q6_K, data, (64, 256))
+        a = transcode.transcode_tensor("w", ggml.GGMLType.Q6_K, data, (64, 256))
         assert np.abs(mlx_dequantize(a) - kquants.dequantize_q6_k(data)).max() == 0.0
 
 
@@ -236,8 +236,8 @@ def test_plan_names_every_representation(tmp_path):
     type with no mapping (Q3_K: 16-value sub-blocks) says it is expanded to float."""
     rng = np.random.default_rng(0)
     gguf.write(tmp_path / "m.gguf", {"general.architecture": "llama"}, {
-        "a.weight": gguf.TensorData(gguf.GGMLType.Q3_K, (4, 256), rng.integers(0, 256, (4, 110), np.uint8)),
-        "b.weight": gguf.TensorData(gguf.GGMLType.Q4_K, (4, 256), random.random_blocks("Q4_K", 4, 256, rng)),
+        "a.weight": gguf.TensorData(ggml.GGMLType.Q3_K, (4, 256), rng.integers(0, 256, (4, 110), np.uint8)),
+        "b.weight": gguf.TensorData(ggml.GGMLType.Q4_K, (4, 256), random.random_blocks("Q4_K", 4, 256, rng)),
         "c.weight": np.zeros((4, 32), np.float16), "norm.weight": np.ones(32, np.float32)})
     with gguf.read(tmp_path / "m.gguf") as f:
         table = transcode.plan(f)
@@ -253,7 +253,7 @@ def test_type_without_mapping_falls_back_to_float(tmp_path, monkeypatch, caplog)
     """A type with no affine mapping loads as floats (here Q8_0, its mapping removed), and the
     log says which types were expanded."""
     path = write_random_llama(tmp_path / "m.gguf", weight_type="Q8_0")
-    monkeypatch.delitem(transcode.REPACK, gguf.GGMLType.Q8_0)
+    monkeypatch.delitem(transcode.REPACK, ggml.GGMLType.Q8_0)
     with gguf.read(path) as f, caplog.at_level(logging.WARNING, logger="ref_impl.engine.transcode"):
         model = load_model(f, mx.float32, quantized=True)
     assert "no MLX affine mapping for Q8_0" in caplog.text
@@ -263,8 +263,8 @@ def test_type_without_mapping_falls_back_to_float(tmp_path, monkeypatch, caplog)
 
 def test_bad_input_raises_naming_the_tensor():
     with pytest.raises(ValueError, match=r"tensor 'blk.0.attn_q.weight': row length 40 is not a multiple"):
-        transcode.transcode_tensor("blk.0.attn_q.weight", gguf.GGMLType.Q8_0, np.zeros((2, 34), np.uint8), (2, 40))
+        transcode.transcode_tensor("blk.0.attn_q.weight", ggml.GGMLType.Q8_0, np.zeros((2, 34), np.uint8), (2, 40))
     with pytest.raises(ValueError, match=r"tensor 'x': Q3_K has no MLX affine mapping"):
-        transcode.transcode_tensor("x", gguf.GGMLType.Q3_K, np.zeros((2, 110), np.uint8), (2, 256))
+        transcode.transcode_tensor("x", ggml.GGMLType.Q3_K, np.zeros((2, 110), np.uint8), (2, 256))
     with pytest.raises(ValueError, match=r"tensor 'x': Q4_K data of shape \(2, 144\) does not hold a \(2, 512\)"):
-        transcode.transcode_tensor("x", gguf.GGMLType.Q4_K, np.zeros((2, 144), np.uint8), (2, 512))
+        transcode.transcode_tensor("x", ggml.GGMLType.Q4_K, np.zeros((2, 144), np.uint8), (2, 512))

@@ -19,7 +19,7 @@ import numpy as np
 
 from ref_impl.engine import checkpoint
 from ref_impl.engine.model import Model, ModelArgs, default_dtype
-from ref_impl.formats import gguf, quantize
+from ref_impl.formats import ggml, gguf, quantize
 from ref_impl.theory.shapes import shape
 
 
@@ -51,7 +51,7 @@ def _random_bytes(n: int, rng: np.random.Generator) -> np.ndarray:
 def random_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Random valid blocks (rows, row_bytes) of a quantized type: random codes and small finite fp16
     scales, generated as bytes (no float quantization), so a multi-GB model takes seconds."""
-    values, nbytes = gguf.BLOCK[gguf.GGMLType[type_name]]
+    values, nbytes = ggml.BLOCK[ggml.GGMLType[type_name]]
     fields, d_max = _SCALE_FIELDS[type_name]
     n_blocks = rows * cols // values
     blocks = _random_bytes(n_blocks * nbytes, rng).reshape(n_blocks, nbytes)
@@ -92,7 +92,7 @@ def write_random_model(path: str | Path, args: ModelArgs, file_type: str = "Q4_K
                        p + "ffn_gate.weight": (args.intermediate_size, d),
                        p + "ffn_up.weight": (args.intermediate_size, d),
                        p + "ffn_down.weight": (d, args.intermediate_size)})
-    infos = {n: gguf.TensorInfo(n, gguf.GGMLType.F32, s, 0, 0) for n, s in shapes.items()}
+    infos = {n: gguf.TensorInfo(n, ggml.GGMLType.F32, s, 0, 0) for n, s in shapes.items()}
     tensors = {}
     for name, t in quantize.tensor_types(infos, file_type).items():
         shape = shapes[name]
@@ -103,7 +103,7 @@ def write_random_model(path: str | Path, args: ModelArgs, file_type: str = "Q4_K
         elif t == "F16":
             tensors[name] = _random_f16(*shape, rng)
         else:
-            tensors[name] = gguf.TensorData(gguf.GGMLType[t], shape, random_blocks(t, *shape, rng))
+            tensors[name] = gguf.TensorData(ggml.GGMLType[t], shape, random_blocks(t, *shape, rng))
     # no tokenizer: llama.cpp then adds vocab_size dummy tokens, which is all llama-bench needs
     gguf.write(path, {**args.gguf_metadata(), "tokenizer.ggml.model": "none"}, tensors)
     return Path(path)

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from ref_impl.formats.ggml import BLOCK, ELEMENT_DTYPE, GGMLType, tensor_nbytes  # noqa: F401 (gguf.BLOCK)
+from ref_impl.formats.ggml import ELEMENT_DTYPE, GGMLType, tensor_nbytes
 from ref_impl.formats.kquants import DEQUANTIZE
 
 GGUF_MAGIC = b"GGUF"

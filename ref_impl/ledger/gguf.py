@@ -11,7 +11,7 @@ import functools
 import math
 import platform
 
-from ref_impl.formats import gguf
+from ref_impl.formats import ggml, gguf
 from ref_impl.ledger.core import SHIPPED_MODEL, Number, Verdict, claim
 from ref_impl.measure import loads
 
@@ -32,7 +32,7 @@ def _block_alignment_evidence() -> dict[str, Number]:
               "shipped model: tensor data offsets that are multiples of 32": Number(
                   100 * sum(o % 32 == 0 for o in offsets) / len(offsets), "%")}
     for name in ("Q4_0", "Q8_0", "Q4_K", "Q6_K"):
-        block_bytes = gguf.BLOCK[gguf.GGMLType[name]][1]
+        block_bytes = ggml.BLOCK[ggml.GGMLType[name]][1]
         # block k starts at k * block_bytes past the aligned tensor start: aligned when 32 divides it
         ev[f"{name} blocks ({block_bytes} bytes) that start 32-byte aligned"] = Number(
             100 * math.gcd(block_bytes, 32) / 32, "%")

@@ -11,7 +11,7 @@ import functools
 
 import numpy as np
 
-from ref_impl.formats import gguf, quantize
+from ref_impl.formats import ggml, gguf, quantize
 from ref_impl.ledger.core import SHIPPED_MODEL, Number, Verdict, claim, results
 
 
@@ -31,7 +31,7 @@ def kquant_errors() -> dict[str, dict[str, float]]:
 
 def check_c19(live: bool) -> Verdict:
     """The block layout, counted; and Q4_K's error against Q4_0's at the same bits, per kind of matrix."""
-    values, nbytes = gguf.BLOCK[gguf.GGMLType.Q4_K]
+    values, nbytes = ggml.BLOCK[ggml.GGMLType.Q4_K]
     ATTENTION, MLP = quantize.MATRIX_GROUPS["attention projections"], quantize.MATRIX_GROUPS["MLP"]
     err = kquant_errors()
     gain = {k: 100 * (1 - e["Q4_K"] / e["Q4_0"]) for k, e in err.items()}

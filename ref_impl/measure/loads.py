@@ -38,7 +38,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ref_impl.formats import gguf
+from ref_impl.formats import ggml, gguf
 from ref_impl.measure.records import record, select
 from ref_impl.platform import blas
 from ref_impl.platform.timing import calls_per_sample, clock, repeat
@@ -348,8 +348,8 @@ def measure_load(path: str | os.PathLike, method: str, cache: str = "warm") -> L
         keep = bytearray(os.path.getsize(path))
         with open(path, "rb") as fh:
             fh.readinto(keep)
-        arrays = [np.frombuffer(keep, np.float32 if i.type is gguf.GGMLType.F32 else np.uint8,
-                                count=i.nbytes // (4 if i.type is gguf.GGMLType.F32 else 1), offset=i.offset)
+        arrays = [np.frombuffer(keep, np.float32 if i.type is ggml.GGMLType.F32 else np.uint8,
+                                count=i.nbytes // (4 if i.type is ggml.GGMLType.F32 else 1), offset=i.offset)
                   for i in infos]
     else:
         keep = mx.load(path)
