@@ -1,1 +1,4 @@
-"""engine: see DESIGN.md, "The engine"."""
+"""engine: the decoder. The Llama-family model (model), GGUF load/save (checkpoint), quantized weights kept
+quantized in MLX (transcode), the tokenizer (tokenizer), KV caches (kvcache; quantized ones in kvquant), the decode
+loop (generate), speculative decoding (speculative) and multi-token-prediction heads (mtp), and random-weight
+models in public shapes (random)."""
