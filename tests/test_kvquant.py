@@ -14,7 +14,7 @@ from ref_impl.engine import kvquant
 from ref_impl.engine.checkpoint import load
 from ref_impl.engine.generate import Sampler, generate_step
 from ref_impl.engine.kvcache import CACHES as FLOAT_CACHES
-from ref_impl.engine.kvcache import Cache, ChunkedKVCache, ConcatKVCache, KVCache
+from ref_impl.engine.kvcache import Cache, ChunkedKVCache, ConcatKVCache, FloatCache, KVCache
 
 KINDS = list(kvquant.CACHES)
 B, H, D = 1, 2, 64
@@ -315,12 +315,14 @@ def test_make_caches():
 
 
 def test_one_builder_for_every_scheme():
-    """make_caches builds the float caches too: "float" and "static" are the pre-allocated KVCache, and
-    every cache, float or quantized, is a sibling under kvcache.Cache (none subclasses another)."""
+    """make_caches builds the float caches too: "float" and "static" are the pre-allocated KVCache. Every
+    quantized cache is a sibling of the float ones under kvcache.Cache (none subclasses a concrete cache); the
+    three float caches share their buffers' bookkeeping through FloatCache."""
     assert set(kvquant.SCHEMES) == {kvquant.FLOAT, *FLOAT_CACHES, *KINDS}
     for scheme in kvquant.SCHEMES:
         c = kvquant.make_caches(scheme, 1, 1, 2, 64, 16, mx.float16)[0]
-        assert type(c).__bases__ == (Cache,) and c.attends == "dense" and c.dtype == mx.float16
+        base = FloatCache if scheme in (kvquant.FLOAT, *FLOAT_CACHES) else Cache
+        assert type(c).__bases__ == (base,) and c.attends == "dense" and c.dtype == mx.float16
     assert type(kvquant.make_caches("static", 1, 1, 2, 64, 8)[0]) is KVCache
     assert [type(c) for c in kvquant.make_caches(kvquant.FLOAT, 2, 1, 2, 64, 8)] == [KVCache, KVCache]
     assert kvquant.make_caches("chunked", 1, 1, 2, 64, 600, step=64)[0].step == 64

@@ -12,7 +12,7 @@ a forward's keys and values, return the whole history), `trim` (forget the newes
 * "fused": Attention hands q, k, v to the cache's own `attend(q, k, v, scale, mask)`, which
   stores k, v and attends in one (kvquant's attention on packed codes, `StepCache` below).
 
-`KVCache` is the *static* cache: its buffers are allocated once, for the longest sequence the
+`FloatCache` keeps the history as float buffers; `KVCache` is the *static* cache: its buffers are allocated once, for the longest sequence the
 caller asks for, and each step writes its new keys and values into the next free slots. No
 step allocates, grows or copies the history (the dispatch chapter measures why that matters
 for inter-token jitter). Two growing caches with the same interface are here to be measured
@@ -86,17 +86,29 @@ class Cache:
         raise NotImplementedError
 
 
-def float_buffers(batch: int, n_kv_heads: int, length: int, head_dim: int, dtype: mx.Dtype) -> list[mx.array]:
-    """Zeroed keys and values, each (batch, n_kv_heads, length, head_dim)."""
-    return [mx.zeros((batch, n_kv_heads, length, head_dim), dtype=dtype) for _ in range(2)]
+class FloatCache(Cache):
+    """A cache that holds the history as it came, in float buffers `keys` and `values` (B, n_kv_heads, length,
+    head_dim), of which the first `offset` positions are filled. The three float caches differ only in how the
+    buffers are allocated and grown."""
+
+    def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_size: int, dtype: mx.Dtype, length: int):
+        super().__init__(batch, n_kv_heads, head_dim, max_size, dtype)
+        self.keys, self.values = (mx.zeros((batch, n_kv_heads, length, head_dim), dtype=dtype) for _ in range(2))
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array]:
+        return self.keys[:, :, :self.offset, :], self.values[:, :, :self.offset, :]
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
 
 
-class KVCache(Cache):
+class KVCache(FloatCache):
     """A pre-allocated float key/value cache for one attention layer."""
 
     def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_size: int, dtype: mx.Dtype = mx.float32):
-        super().__init__(batch, n_kv_heads, head_dim, max_size, dtype)
-        self.keys, self.values = float_buffers(batch, n_kv_heads, max_size, head_dim, dtype)
+        super().__init__(batch, n_kv_heads, head_dim, max_size, dtype, length=max_size)
 
     def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Store k, v (B, n_kv_heads, L, head_dim) at the next L slots, in place; return the whole
@@ -106,14 +118,6 @@ class KVCache(Cache):
         self.values[:, :, self.offset:end, :] = v
         self.offset = end
         return self.state
-
-    @property
-    def state(self) -> tuple[mx.array, mx.array]:
-        return self.keys[:, :, :self.offset, :], self.values[:, :, :self.offset, :]
-
-    @property
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
 
 
 class StepCache:
@@ -138,13 +142,12 @@ class StepCache:
         return mx.fast.scaled_dot_product_attention(q, self.keys, self.values, scale=scale, mask=written)
 
 
-class ConcatKVCache(Cache):
+class ConcatKVCache(FloatCache):
     """A cache that grows by concatenation: every forward allocates a new history one step longer
     and copies the old one into it. Same interface as KVCache; max_size only caps the length."""
 
     def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_size: int, dtype: mx.Dtype = mx.float32):
-        super().__init__(batch, n_kv_heads, head_dim, max_size, dtype)
-        self.keys, self.values = float_buffers(batch, n_kv_heads, 0, head_dim, dtype)
+        super().__init__(batch, n_kv_heads, head_dim, max_size, dtype, length=0)
 
     def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Append k, v (B, n_kv_heads, L, head_dim); return the whole history, a fresh array
@@ -155,27 +158,18 @@ class ConcatKVCache(Cache):
         self.offset = end
         return self.keys, self.values
 
-    @property
-    def state(self) -> tuple[mx.array, mx.array]:
-        return self.keys[:, :, :self.offset, :], self.values[:, :, :self.offset, :]
 
-    @property
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
-
-
-class ChunkedKVCache(Cache):
+class ChunkedKVCache(FloatCache):
     """A cache that grows `step` positions at a time (mlx-lm's KVCache policy): writes land in
     free slots of the current buffer; when a forward does not fit, a zeroed chunk of whole steps
     is concatenated on, so every `step`-th token pays one allocation and a copy of the history."""
 
     def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_size: int,
                  dtype: mx.Dtype = mx.float32, step: int = 256):
-        super().__init__(batch, n_kv_heads, head_dim, max_size, dtype)
         if step < 1:
             raise ValueError(f"step must be positive, got {step}")
+        super().__init__(batch, n_kv_heads, head_dim, max_size, dtype, length=0)
         self.step = step
-        self.keys, self.values = float_buffers(batch, n_kv_heads, 0, head_dim, dtype)
 
     def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Store k, v (B, n_kv_heads, L, head_dim) at the next L slots, growing first if they do
@@ -190,14 +184,6 @@ class ChunkedKVCache(Cache):
         self.values[:, :, self.offset:end, :] = v
         self.offset = end
         return self.state
-
-    @property
-    def state(self) -> tuple[mx.array, mx.array]:
-        return self.keys[:, :, :self.offset, :], self.values[:, :, :self.offset, :]
-
-    @property
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
 
 
 CACHES = {"static": KVCache, "chunked": ChunkedKVCache, "concat": ConcatKVCache}   # the float caches

@@ -290,6 +290,6 @@ def chi2_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:
 def acceptance_rate(steps: list[SpeculativeStep]) -> float:
     """The fraction of proposed drafts that were accepted. For γ > 1 it is below the per-draft
     acceptance α of the speedup model: drafts after a rejection count as proposed, never judged
-    (`speedup.acceptance_by_position` counts only the judged ones)."""
+    (`measure.spec.acceptance_by_position` counts only the judged ones)."""
     proposed = sum(s.proposed for s in steps)
     return sum(s.accepted for s in steps) / proposed if proposed else float("nan")
