@@ -359,3 +359,18 @@ def test_outlier_indices():
         kvquant.outlier_indices(np.ones((2, 3)), 4.0)
     mags = {"keys_pre_rope": {"mean": np.stack([m.reshape(2, 3), np.ones((2, 3))])}}
     assert kvquant.outlier_channels(mags, 4.0) == [2, 0]
+
+
+def test_the_cache_interface_is_abstract_and_a_dense_cache_will_not_attend():
+    """Cache is the interface: a subclass that leaves out update_and_fetch, state or nbytes cannot be built, and
+    a cache that attends "dense" refuses `attend` by name rather than storing nothing."""
+    class Partial(Cache):
+        def update_and_fetch(self, k, v):
+            return k, v
+
+    with pytest.raises(TypeError, match="abstract"):
+        Partial(1, 2, 64, 8)
+    dense = KVCache(1, 2, 64, 8)
+    x = mx.zeros((1, 2, 1, 64))
+    with pytest.raises(TypeError, match="KVCache attends 'dense': use update_and_fetch"):
+        dense.attend(x, x, x, 1.0)

@@ -29,10 +29,12 @@ See chapter: kv-cache
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import mlx.core as mx
 
 
-class Cache:
+class Cache(ABC):
     """One attention layer's key/value cache: the interface (see the module docstring) and the
     bookkeeping every cache shares: its sizes, dtype and `offset`, the shape and room check
     (`reserve`), and `trim`."""
@@ -59,15 +61,15 @@ class Cache:
                              "(raise max_size, or the model's context length is reached)")
         return end
 
+    @abstractmethod
     def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Store k, v (B, n_kv_heads, L, head_dim) at the next L slots; return the whole history,
         (B, n_kv_heads, offset + L, head_dim). The attention layer calls this once per forward."""
-        raise NotImplementedError
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.array:
         """For attends == "fused": store k, v (B, n_kv_heads, L, D), return attention of q (B, H, L, D)
         over the whole history, (B, H, L, D)."""
-        raise NotImplementedError(f"{type(self).__name__} attends {self.attends!r}: use update_and_fetch")
+        raise TypeError(f"{type(self).__name__} attends {self.attends!r}: use update_and_fetch")
 
     def trim(self, n: int) -> int:
         """Forget the last n positions (speculative decoding rewinds rejected drafts this way)."""
@@ -76,14 +78,14 @@ class Cache:
         return n
 
     @property
+    @abstractmethod
     def state(self) -> tuple[mx.array, mx.array]:
         """The filled part: (keys, values), each (B, n_kv_heads, offset, head_dim)."""
-        raise NotImplementedError
 
     @property
+    @abstractmethod
     def nbytes(self) -> int:
         """Bytes held by the allocated buffers (not only the filled part)."""
-        raise NotImplementedError
 
 
 class FloatCache(Cache):
