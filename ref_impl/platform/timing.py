@@ -6,7 +6,7 @@ fit in a time budget (`within`), or the tokens of a generator as they arrive (`t
 `token_runs` for a warm-up and repeated generations). A call far shorter than the clock's grain is
 timed `calls` times back to back per sample (`calls_per_sample` picks how many). `wall` is the
 calendar clock, only for instants compared across processes (perf_counter's zero is per process). The
-numbers a chapter quotes are medians of those samples (`median`, `summary`): robust to the one
+numbers a chapter quotes are medians of those samples (`median`): robust to the one
 preempted run that a mean would carry. `best` (the minimum) is for the rare question "how fast can
 this go at all", such as a memory sweep whose noise only ever adds time; a caller that takes it says so.
 
@@ -73,23 +73,6 @@ def median(samples: Sequence[float]) -> float:
 def best(samples: Sequence[float]) -> float:
     """The fastest sample: for questions about what the hardware can do at all (noise only adds time)."""
     return float(np.min(samples)) if len(samples) else math.nan
-
-
-@dataclass(frozen=True)
-class Summary:
-    """Median and spread of one set of timings, in the samples' unit."""
-    median: float
-    p10: float
-    p90: float
-    n: int
-
-
-def summary(samples: Sequence[float]) -> Summary:
-    """Median with the 10th and 90th percentiles, for a value and its error bar."""
-    if not len(samples):
-        return Summary(math.nan, math.nan, math.nan, 0)
-    p10, p50, p90 = np.percentile(samples, (10, 50, 90))
-    return Summary(float(p50), float(p10), float(p90), len(samples))
 
 
 @dataclass(frozen=True)
