@@ -47,6 +47,11 @@ class Verdict:
     source: str = ""            # the machine that measured, or where the numbers come from
 
 
+def not_recorded(what: str, command: str, evidence: dict[str, Number]) -> Verdict:
+    """The verdict of a check whose results are missing: pending, naming the command that records them."""
+    return Verdict("pending", f"Not checked yet: {what} are not recorded (`{command}`).", evidence)
+
+
 @dataclass(frozen=True)
 class Claim:
     """One seed claim: its id, home chapter, short form, verbatim sentence and seed file, and its check."""

@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from ref_impl.engine.checkpoint import load
 from ref_impl.engine.kvquant import FLOAT, outlier_channels, scheme_bytes
-from ref_impl.ledger.core import SHIPPED_MODEL, Number, Verdict, by_machine, claim
+from ref_impl.ledger.core import SHIPPED_MODEL, Number, Verdict, by_machine, claim, not_recorded
 from ref_impl.measure import kv as kvq
 from ref_impl.measure.records import FLOAT_KV
 from ref_impl.theory import shapes
@@ -112,8 +112,7 @@ def check_c17(live: bool) -> Verdict:
         source = f"live ({platform.machine()}, shipped model, 512 held-out tokens); "
     best = kv_best()
     if best is None:
-        return Verdict("pending", "Not checked yet: the kv-cache chapter's results are not recorded "
-                       "(`python -m ref_impl bench --kv`).", ev)
+        return not_recorded("the kv-cache chapter's results", "python -m ref_impl bench --kv", ev)
     label, d = best
     rel = {s: 100 * d["delta"][s] / d["ppl"]["float"] for s in d["delta"]}
     ev |= {f"perplexity, float cache ({label}, {d['windows']} windows of 512)": Number(d["ppl"]["float"], "ppl")}
@@ -148,8 +147,7 @@ def check_c20(live: bool) -> Verdict:
           "memory saved by 4-bit g64 with no outlier channels (the ceiling)": Number(ceiling, "%")}
     best = kv_best()
     if best is None:
-        return Verdict("pending", "Not checked yet: the kv-cache chapter's results are not recorded "
-                       "(`python -m ref_impl bench --kv`).", ev)
+        return not_recorded("the kv-cache chapter's results", "python -m ref_impl bench --kv", ev)
     label, d = best
     delta = d["delta"]["outlier4"]
     ev |= {f"perplexity delta, outlier4 ({label})": Number(delta, "ppl"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from ref_impl.engine.speculative import chi2_pvalue, first_tokens
-from ref_impl.ledger.core import Number, Verdict, by_machine, claim
+from ref_impl.ledger.core import Number, Verdict, by_machine, claim, not_recorded
 from ref_impl.theory.speedup import break_even_alpha
 
 _SPEC_SOURCES = ("Leviathan, Kalman and Matias 2023 (the rule, E(α, γ), Theorem 3.8); Chen et al. 2023; "
@@ -76,8 +76,7 @@ def check_c24(live: bool) -> Verdict:
     gpu = {f"{m} on {label}": (max(r), r[max(r)]) for label, d in rec.items() if d["backend"] != "cpu"
            for m, r in d["forward"].items()}
     if not ev:
-        return Verdict("pending", "Not checked yet: the speculative chapter's results are not recorded "
-                                  "(`python -m ref_impl bench --spec`).", ev)
+        return not_recorded("the speculative chapter's results", "python -m ref_impl bench --spec", ev)
     summary = ("A forward over several positions multiplies each weight matrix by a few activation rows at once, "
                "reading every weight once")
     if gpu:
@@ -114,8 +113,7 @@ def check_c22(live: bool) -> Verdict:
             ev[f"{model} / {drafter}: draft cost c ({label})"] = Number(c, "target steps")
             rows.append((label, model, drafter, a, m["speedup"][g], c))
     if not rows:
-        return Verdict("pending", "Not checked yet: the speculative chapter's results are not recorded "
-                       "(`python -m ref_impl bench --spec`).", ev)
+        return not_recorded("the speculative chapter's results", "python -m ref_impl bench --spec", ev)
     at60 = [r for r in rows if r[3] == 0.6]
     lo, hi = min(r[4] for r in at60), max(r[4] for r in at60)
     be = {r[5]: break_even_alpha(1, r[5]) for r in at60}
@@ -153,8 +151,7 @@ def check_c13(live: bool) -> Verdict:
         if best:
             ev[f"MTP, best measured speedup (γ = {best[1]}, {label})"] = Number(best[0], "×")
     if not ev:
-        return Verdict("pending", "Not checked yet: the speculative chapter's MTP results are not recorded "
-                       "(`python -m ref_impl bench --spec`).", ev)
+        return not_recorded("the speculative chapter's MTP results", "python -m ref_impl bench --spec", ev)
     speeds = {k: n.value for k, n in ev.items() if "speedup" in k}
     summary = ("The mechanism is as stated: mtp.py's heads draft from the hidden state the last verification already "
                "produced, and one forward over γ+1 positions verifies them (no second model, no extra pass); "
