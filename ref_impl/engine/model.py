@@ -32,6 +32,26 @@ from ref_impl.formats import gguf
 from ref_impl.theory.shapes import ModelShape
 
 
+# Query blocks this short (a speculative verification: γ + 1 positions) attend by plain matmuls and a
+# softmax. MLX's CUDA backend runs `scaled_dot_product_attention` on more than one query through cuDNN,
+# building a graph for each key length it meets, tens of milliseconds each: every verification step
+# lands on a new length, so each would pay that build (measured in results/, experiment spec-attention).
+SHORT_QUERIES = 16
+
+
+def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    """Attention of L queries (B, H, L, D) over T keys (B, Hkv, T, D), query i seeing keys up to T - L + i
+    (the causal mask lined up with the last L keys), as matmuls and a softmax: no shape-keyed plan."""
+    B, H, L, D = q.shape
+    n_kv, T = k.shape[1], k.shape[2]
+    q = (q * scale).reshape(B, n_kv, H // n_kv * L, D)          # each key head's group of query heads
+    scores = (q @ k.swapaxes(-1, -2)).reshape(B, n_kv, H // n_kv, L, T)
+    visible = mx.arange(T)[None, :] <= mx.arange(T - L, T)[:, None]
+    scores = mx.where(visible, scores, mx.array(-mx.inf, scores.dtype))
+    weights = mx.softmax(scores, axis=-1, precise=True).reshape(B, n_kv, H // n_kv * L, T)
+    return (weights @ v).reshape(B, H, L, D)
+
+
 @dataclass
 class ModelArgs:
     vocab_size: int
@@ -179,7 +199,10 @@ class Attention(nn.Module):
         else:
             if cache is not None:
                 k, v = cache.update_and_fetch(k, v)  # whole history: (B, Hkv, offset + L, D)
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+            if mask == "causal" and L <= SHORT_QUERIES:
+                out = causal_attention(q, k, v, self.scale)
+            else:
+                out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 

@@ -7,6 +7,9 @@ The measurements (`bench_spec`, `python -m ref_impl bench --spec`):
   for the MTP heads (mtp.py), and the mean tokens per verification against E(α, γ);
 - "spec-forward": target forward time against the number of positions, 1 .. γ+1, at a filled
   cache (claim C24: verifying K tokens costs about one GEMV pass);
+- "spec-attention": one layer's attention of a verification block (γ+1 queries) over key lengths it has
+  not met before, timed on first use and again, through `mx.fast.scaled_dot_product_attention` and
+  through `model.causal_attention` (plain ops): on CUDA the first builds a cuDNN graph per key length;
 - "spec-speed": end-to-end tokens/s and speedup over plain decoding for γ = 1..8, greedy, for the
   shipped pair, MTP, and random-weight pairs whose α is set by construction (`AlphaDrafter`), so the
   speedup surface over (α, γ, c) is measured and set against the model.
@@ -26,7 +29,7 @@ import numpy as np
 from ref_impl.engine import mtp
 from ref_impl.engine.checkpoint import load
 from ref_impl.engine.generate import Sampler
-from ref_impl.engine.model import Model, default_dtype
+from ref_impl.engine.model import Model, causal_attention, default_dtype
 from ref_impl.engine.random import args_for, random_model
 from ref_impl.engine.speculative import Drafter, SpeculativeStep, speculative_decode, speculative_generate
 from ref_impl.engine.tokenizer import Tokenizer
@@ -276,6 +279,48 @@ def _forward_records(name: str, model: Model, plan: SpecPlan, offset: int) -> tu
     return rec, {L - 1: s / seconds[0] for L, s in zip(lengths, seconds) if L > 1}
 
 
+def attention_first_use(args, queries: int, offset: int, lengths: int = 8,
+                        seed: int = 0) -> dict[str, tuple[list[float], list[float]]]:
+    """Per route ("sdpa": mx.fast.scaled_dot_product_attention, "ops": model.causal_attention): seconds of
+    one layer's causal attention of `queries` positions over each of `lengths` key lengths after `offset`,
+    the first call at each length and a second call, as a verification step meets them."""
+    rng = np.random.default_rng(seed)
+    dtype, hd = default_dtype(), args.hidden_size // args.num_attention_heads
+    scale = hd ** -0.5
+
+    def tensor(heads, n):
+        return mx.array(rng.standard_normal((1, heads, n, hd)), dtype=dtype)
+    routes = {"sdpa": lambda q, k, v: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal"),
+              "ops": lambda q, k, v: causal_attention(q, k, v, scale)}
+    out = {}
+    for i, (name, attend) in enumerate(routes.items()):   # each route on key lengths neither met before
+        start = offset + i * (lengths + queries)
+        q = tensor(args.num_attention_heads, queries)
+        first, again = [], []
+        for T in range(start + queries, start + queries + lengths):
+            k, v = tensor(args.num_key_value_heads, T), tensor(args.num_key_value_heads, T)
+            mx.eval(q, k, v)
+            for times in (first, again):
+                times.append(repeat(lambda: mx.eval(attend(q, k, v)), 1, warmup=0)[0])
+        out[name] = (first, again)
+    return out
+
+
+def _attention_records(name: str, model: Model, plan: SpecPlan, offset: int) -> list[dict]:
+    """spec-attention records of one model: first-use and repeat times per route, per verification width."""
+    kv = dtype_name(model.norm.weight.dtype)
+    rec = []
+    for g in sorted({1, max(plan.gammas)}):
+        for route, (first, again) in attention_first_use(model.args, g + 1, offset).items():
+            fields = {"model": name, "weights": kv.upper(), "kv": kv, "context": offset, "positions": g + 1,
+                      "route": route, "note": plan.note}
+            rec += [record("spec-attention", "first_ms", "ms", 1e3 * median(first), samples=[1e3 * t for t in first],
+                           **fields),
+                    record("spec-attention", "again_ms", "ms", 1e3 * median(again), samples=[1e3 * t for t in again],
+                           **fields)]
+    return rec
+
+
 def _plain(name: str, model: Model, prompt: list[int], n: int, plan: SpecPlan, pipeline: bool = True,
            **extra) -> tuple[dict, float, list[int]]:
     """Plain greedy decoding of n tokens (`decode.ours`, async_eval-pipelined or not): its spec-speed
@@ -309,8 +354,8 @@ def _method_records(m: _Method, gammas: Sequence[int], plan: SpecPlan) -> list[d
     verification realized, greedy agreement with plain decoding, and the model's speedup at the
     realized α and measured c (verification costing one step, and costing the measured ratio)."""
     n, P = plan.gen_tokens, plan.prompt_len
-    for g in gammas:        # warm-up per γ: its γ+1-position verification is a new shape (compiled on first use on CUDA)
-        _step_runs(lambda: m.make_steps(g), min(n, 32), 1)
+    for g in gammas:        # a full warm-up run per γ: the timed runs meet no kernel, shape or length for the first time
+        _step_runs(lambda: m.make_steps(g), n, 1)
     kv = dtype_name(m.model.norm.weight.dtype)
     rec = []
     for g in gammas:
@@ -342,6 +387,7 @@ def _speed_records(plan: SpecPlan, target: Model, draft: Model, heads: mtp.MTPHe
     ctx, offset, n_ref = P + n + max_gamma + 2, P + n // 2, n + max_gamma + 1
     say(f"spec-forward, spec-speed: {names['target']} with {names['draft']}")
     rec, verify = _forward_records(names["target"], target, plan, offset)
+    rec += _attention_records(names["target"], target, plan, offset)
     prompt = heldout_prompts(tokenizer, 1, P)[0][0]
     plain, plain_tps, reference = _plain(names["target"], target, prompt, n_ref, plan, role="target")
     draft_plain, draft_tps, _ = _plain(names["draft"], draft, prompt, n_ref, plan, role="draft")
