@@ -10,7 +10,7 @@ from numpy_reference import forward as np_forward
 from numpy_reference import load as np_load
 
 from ref_impl.engine.checkpoint import load_model
-from ref_impl.engine.model import ModelArgs
+from ref_impl.engine.model import ModelArgs, causal_attention
 from ref_impl.formats import gguf
 
 TOKENS = [3, 17, 42, 5, 96, 0, 11, 64, 23, 8, 50, 2]
@@ -106,3 +106,19 @@ def test_bad_models_raise_clear_errors(tmp_path):
         ModelArgs.from_gguf({**metadata, "llama.rope.dimension_count": 8}, tensors)
     with pytest.raises(ValueError, match="rope_freqs has 3 factors, a head of 16 needs 8"):
         ModelArgs.from_gguf(metadata, tensors, (1.0, 2.0, 3.0))
+
+
+@pytest.mark.parametrize("heads,kv_heads,L,T", [(4, 2, 2, 9), (4, 4, 5, 5), (8, 1, 9, 40), (6, 3, 1, 7)])
+def test_causal_attention_against_float64(heads, kv_heads, L, T):
+    """Short query blocks attend by plain ops (model.causal_attention): query i sees keys up to T - L + i."""
+    rng = np.random.default_rng(L * T)
+    q, k, v = (rng.standard_normal((1, h, n, 8)) for h, n in ((heads, L), (kv_heads, T), (kv_heads, T)))
+    got = np.array(causal_attention(*(mx.array(a.astype(np.float32)) for a in (q, k, v)), 0.35))
+    group = heads // kv_heads
+    want = np.empty_like(q)
+    for h in range(heads):
+        s = 0.35 * q[0, h] @ k[0, h // group].T                          # (L, T)
+        s[np.arange(T)[None, :] > np.arange(T - L, T)[:, None]] = -np.inf
+        w = np.exp(s - s.max(-1, keepdims=True))
+        want[0, h] = (w / w.sum(-1, keepdims=True)) @ v[0, h // group]
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)

@@ -163,7 +163,7 @@ def test_bench_spec_records_have_the_one_shape(spec_records):
     plan, heads, records = spec_records
     keys = {"experiment", "model", "weights", "kv", "context", "variant", "metric", "unit", "value", "samples", "peer"}
     assert all(keys <= set(r) for r in records)
-    assert {r["experiment"] for r in records} == {"spec-alpha", "spec-forward", "spec-speed"}
+    assert {r["experiment"] for r in records} == {"spec-alpha", "spec-forward", "spec-attention", "spec-speed"}
     variants = {"draft-model", "alpha-set"} | ({"mtp"} if heads else set())
     for variant in variants:
         speed = [r for r in records if r["experiment"] == "spec-speed" and r["variant"] == variant]
@@ -180,3 +180,12 @@ def test_bench_spec_records_have_the_one_shape(spec_records):
             assert 1 <= r["position"] <= r["gamma"]
     forward = {(r["model"], r["positions"]) for r in records if r["metric"] == "forward_ms"}
     assert forward == {(m, L) for m in ("stdlib-10m", "tiny", "tiny-draft") for L in range(1, max(plan.gammas) + 2)}
+
+
+def test_bench_spec_times_attention_at_new_key_lengths_by_both_routes(spec_records):
+    plan, _, records = spec_records
+    attention = [r for r in records if r["experiment"] == "spec-attention"]
+    got = {(r["route"], r["positions"], r["metric"]) for r in attention}
+    widths = sorted({1, max(plan.gammas)})
+    assert got == {(route, g + 1, m) for route in ("sdpa", "ops") for g in widths for m in ("first_ms", "again_ms")}
+    assert all(r["value"] > 0 and len(r["samples"]) == 8 and r["model"] == "stdlib-10m" for r in attention)

@@ -31,7 +31,6 @@ from ref_impl.engine.kvquant import FLOAT, make_caches
 from ref_impl.formats import gguf
 from ref_impl.theory.shapes import ModelShape
 
-
 # Query blocks this short (a speculative verification: γ + 1 positions) attend by plain matmuls and a
 # softmax. MLX's CUDA backend runs `scaled_dot_product_attention` on more than one query through cuDNN,
 # building a graph for each key length it meets, tens of milliseconds each: every verification step
