@@ -1,14 +1,15 @@
 """The claim ledger: every "high confidence" claim of the two seed notes, and the check that judges it.
 
-Each chapter's module holds its claims, each Claim record right below the check that judges it, and
-the readers and helpers only that chapter uses; `core` holds what they share (Claim, Verdict,
-Number, the results reader, the HTML table). This package assembles the registry: CLAIMS in id
-order, `check` for one claim and `ledger` for all of them.
+Each chapter's module holds its claims, each Claim record right below its decision rule's gather and
+judge functions, and the readers and helpers only that chapter uses; `core` holds what they share
+(Claim, Verdict, Number, the vocabulary and `decide`, the results reader, the HTML table). This
+package assembles the registry: CLAIMS in id order, `check` for one claim and `ledger` for all of them.
 
 Numbers from datasheets and model configs come from the theory layer's sourced tables, numbers from
-a claim are quoted from it, and measurements are timed live (`live=True`) or read from
-`results/*.json` (`live=False`, which times nothing); the verdict's `source` says which. Live
-measurements are cached per process, so the ledger times each of them once.
+a claim are quoted from it, and measurements are read from `results/*.json`; with `live=True` a
+check also times its live measurement on this machine and reports it beside the verdict, which it
+never decides (`live=False` times nothing). Live measurements are cached per process, so the ledger
+times each of them once.
 
 See chapter: ledger
 """
@@ -35,6 +36,7 @@ from ref_impl.ledger.core import (
     SEEDS,
     SHIPPED_MODEL,
     STATUSES,
+    VOCABULARY,
     Claim,
     Number,
     Verdict,
@@ -80,8 +82,8 @@ __all__ = [
     # the registry
     "CLAIMS", "MODULES", "check", "ledger",
     # shared records and the page
-    "CHAPTERS", "CHAPTER_PAGES", "COLOURS", "PAGE_OF_CLAIM", "SEEDS", "SHIPPED_MODEL", "STATUSES", "Claim", "Number",
-    "Verdict", "first_sentence", "ledger_html", "page_of", "status_counts",
+    "CHAPTERS", "CHAPTER_PAGES", "COLOURS", "PAGE_OF_CLAIM", "SEEDS", "SHIPPED_MODEL", "STATUSES", "VOCABULARY",
+    "Claim", "Number", "Verdict", "first_sentence", "ledger_html", "page_of", "status_counts",
     # what the chapters read of their recorded results
     "C07_GBS", "STREAM_MODELS", "link_recorded", "native_link_efficiency",
     "C21_LOSS", "dispatch_records",

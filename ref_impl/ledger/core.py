@@ -1,12 +1,15 @@
-"""What the chapters' claims share: the Claim and Verdict records, evidence with units, the results
-reader, and the ledger's HTML table.
+"""What the chapters' claims share: the Claim and Verdict records, the decision vocabulary, evidence with
+units, the results reader, and the ledger's HTML table.
 
-A claim keeps its seed sentence verbatim, the seed file it comes from, and the chapter that teaches
-its mechanism. A check returns a `Verdict`: confirmed; qualified (true under the condition it
-names); refuted; not testable here (with the reason and the closest portable measurement); or
-pending (its chapter is not written yet). Evidence is a dict of named numbers, each with its unit.
-Recorded measurements come from results/*.json through `results`, the one reader of that folder
-(a test points `RESULTS_DIR` here at an empty folder to see what a fresh clone gets).
+A claim keeps its seed sentence verbatim, the seed file it comes from, the chapter that teaches its
+mechanism, and its decision rule, written beside it in words. Its check is two functions: `gather`
+collects the evidence (sourced tables, arithmetic, results/*.json, and with `live=True` this machine's
+timings) and `judge` applies the rule to it. `judge` is pure, so tests feed it synthetic evidence on
+both sides of every threshold; its status comes from `decide` on what the evidence shows, never a
+literal, except "not testable here" for hardware we cannot run. When the results a rule reads are
+missing, `gather` returns None and the claim is pending, naming the command that records them.
+Live timings are reported beside a verdict with their spread; they never decide it, so a build with
+`live=True` and one with `live=False` agree.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ import html
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from ref_impl import MODELS_DIR, RESULTS_DIR
 from ref_impl.measure.records import read_results
@@ -22,19 +28,45 @@ from ref_impl.measure.records import read_results
 SEEDS = ("000_8c45ce1e9e68affe.txt", "001_71c9d8b5ea64f620.txt")  # in ../shared/seeds/
 CHAPTERS = ("roofline", "signalling", "interconnect", "gguf", "kquants", "dispatch", "kv-cache", "speculative")
 STATUSES = ("confirmed", "qualified", "refuted", "not testable here", "pending")
+VOCABULARY = {   # what each status means, the same for every claim; the ledger page prints it
+    "confirmed": "the claim's numbers or mechanism hold under its own stated conditions",
+    "qualified": "they hold only under a condition the claim leaves out, which the verdict names",
+    "refuted": "measurement or arithmetic contradicts the claim under its own conditions",
+    "not testable here": "the claim is about hardware we cannot run; the portable analog is measured and shown",
+    "pending": "the results the rule reads are not recorded yet; the verdict names the command that records them",
+}
 SHIPPED_MODEL = MODELS_DIR / "stdlib-10m.gguf"
+
+
+def figure(v: float) -> str:
+    """A measured value as the ledger prints it: three significant figures, thousands separated."""
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 10 else f"{v:#.3g}"
 
 
 @dataclass(frozen=True)
 class Number:
-    """One piece of evidence: a value and its unit."""
+    """One piece of evidence: a value and its unit; a repeated measurement also keeps its spread."""
     value: float
     unit: str
+    low: float | None = None    # the smallest and largest of `rounds` repeats, of which value is the median
+    high: float | None = None
+    rounds: int = 1
 
     def __str__(self) -> str:
-        v = self.value
-        text = f"{v:,.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 10 else f"{v:#.3g}"
-        return f"{text} {self.unit}"
+        spread = f" (range {figure(self.low)}-{figure(self.high)} over {self.rounds} rounds)" if self.rounds > 1 else ""
+        return f"{figure(self.value)} {self.unit}{spread}"
+
+
+def repeated(samples: list[float], unit: str) -> Number:
+    """A measurement repeated: the median of its samples, with their range."""
+    return Number(float(np.median(samples)), unit, float(min(samples)), float(max(samples)), len(samples))
+
+
+def decide(holds: bool, contradicted: bool = False) -> str:
+    """The status a rule's findings give: refuted when the evidence contradicts the claim under its own
+    conditions, confirmed when it holds under them, qualified when it holds only under a condition the
+    claim leaves out (the verdict names it)."""
+    return "refuted" if contradicted else "confirmed" if holds else "qualified"
 
 
 @dataclass
@@ -54,18 +86,35 @@ def not_recorded(what: str, command: str, evidence: dict[str, Number]) -> Verdic
 
 @dataclass(frozen=True)
 class Claim:
-    """One seed claim: its id, home chapter, short form, verbatim sentence and seed file, and its check."""
+    """One seed claim: its id, home chapter, short form, verbatim sentence and seed file, and its check:
+    the rule in words, the evidence it gathers, the judge that applies it and the statuses it can give."""
     id: str
     chapter: str                # one of CHAPTERS
     short: str
     quote: str                  # the seed sentence, verbatim
     seed: str                   # its file in ../shared/seeds/
-    check: Callable[[bool], Verdict] | None = None
+    rule: str = ""              # which evidence, which thresholds, which verdict: shown on the ledger page
+    gather: Callable[[bool], Any] | None = None     # live -> evidence, or None when its results are missing
+    judge: Callable[[Any], Verdict] | None = None   # evidence -> verdict: pure, the rule applied
+    outcomes: tuple[str, ...] = ()                  # the statuses the rule can give
+    pending: tuple[str, str] | None = None          # (what is missing, the command that records it)
+
+    def check(self, live: bool = True) -> Verdict:
+        """The verdict: the rule applied to the gathered evidence, or pending when its results are missing."""
+        evidence = self.gather(live)
+        if evidence is None:
+            what, command = self.pending or ("its results", "python -m ref_impl bench")
+            return not_recorded(what, command, {})
+        v = self.judge(evidence)
+        if v.status not in self.outcomes:
+            raise ValueError(f"{self.id}: the rule gave {v.status!r}, not one of its outcomes {self.outcomes}")
+        return v
 
 
-def claim(cid: str, chapter: str, check: Callable[[bool], Verdict], short: str, quote: str) -> Claim:
+def claim(cid: str, chapter: str, gather: Callable[[bool], Any], judge: Callable[[Any], Verdict], *, short: str,
+          quote: str, rule: str, outcomes: tuple[str, ...], pending: tuple[str, str] | None = None) -> Claim:
     """The Claim record of seed claim `cid`: C01-C16 come from SEEDS[0], C17-C32 from SEEDS[1]."""
-    return Claim(cid, chapter, short, quote, SEEDS[int(cid[1:]) > 16], check)
+    return Claim(cid, chapter, short, quote, SEEDS[int(cid[1:]) > 16], rule, gather, judge, outcomes, pending)
 
 
 # ---- recorded results ------------------------------------------------------------------------------
@@ -140,7 +189,7 @@ table.claim-ledger {width: 100%; table-layout: fixed; border-collapse: collapse;
 table.claim-ledger th, table.claim-ledger td {vertical-align: top; padding: 6px 8px; overflow-wrap: anywhere}
 table.claim-ledger tbody tr {border-top: 1px solid #ddd}
 table.claim-ledger col.id {width: 4.5em} table.claim-ledger col.page {width: 8.5em}
-table.claim-ledger col.claim {width: 36%}
+table.claim-ledger col.claim {width: 26%} table.claim-ledger col.rule {width: 26%}
 table.claim-ledger .verdict {font-weight: bold; white-space: nowrap}
 table.claim-ledger details {margin-top: 4px; font-size: 0.92em}
 table.claim-ledger details dl {margin: 4px 0 0 0} table.claim-ledger details dd {margin-left: 1em}
@@ -155,8 +204,8 @@ table.claim-ledger details dl {margin: 4px 0 0 0} table.claim-ledger details dd 
 
 def ledger_html(rows: list[tuple[Claim, Verdict]]) -> str:
     """The ledger as one escaped HTML table a reader scans: one row per claim with its id, page, short
-    form, verdict and one-sentence reason; the full verdict, evidence, condition, source and seed text
-    one click away. Row ids (`claim-C04`) and page links let a chapter and the ledger point at each other:
+    form, decision rule, verdict and one-sentence reason; the full verdict, evidence, condition, source
+    and seed text one click away. Row ids (`claim-C04`) and page links let a chapter and the ledger point at each other:
     the links are relative to a page one folder below book/, as every chapter and the ledger are."""
     e = html.escape
     body = []
@@ -171,11 +220,11 @@ def ledger_html(rows: list[tuple[Claim, Verdict]]) -> str:
         details = "".join(f"<dt>{k}</dt><dd>{d}</dd>" for k, d in more)
         body.append(
             f"<tr id='claim-{c.id}'><td><a href='../appendix/ledger.html#claim-{c.id}'><b>{c.id}</b></a></td>"
-            f"<td><a href='../{page}.html'>{e(page.split('/')[-1])}</a></td><td>{e(c.short)}</td>"
+            f"<td><a href='../{page}.html'>{e(page.split('/')[-1])}</a></td><td>{e(c.short)}</td><td>{e(c.rule)}</td>"
             f"<td><span class='verdict' style='color:{COLOURS[v.status]}'>{e(v.status)}</span>: "
             f"{e(first_sentence(v.summary))}"
             f"<details><summary>evidence, condition, source</summary><dl>{details}</dl></details></td></tr>")
-    cols = "".join(f"<col class='{k}'>" for k in ("id", "page", "claim", "verdict"))
-    head = "".join(f"<th>{h}</th>" for h in ("Claim", "Page", "What it says", "Verdict and reason"))
+    cols = "".join(f"<col class='{k}'>" for k in ("id", "page", "claim", "rule", "verdict"))
+    head = "".join(f"<th>{h}</th>" for h in ("Claim", "Page", "What it says", "Decision rule", "Verdict and reason"))
     return (f"{_LEDGER_CSS}<table class='claim-ledger'><colgroup>{cols}</colgroup>"
             f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>")

@@ -1,7 +1,8 @@
 """Chapter dispatch, TTFT and jitter (book/dispatch/ttft-jitter): C16, and what a pause is.
 
 The recorded kv-jitter runs (every inter-token latency of a static, a chunked and a concat KV cache)
-answer C16; the caching chapter's C02 reads the same runs. Both count pauses by the one definition
+answer C16, the KV cache standing in for a workspace allocated before the loop, every step, or at
+growth steps; the caching chapter's C02 reads the same runs. Both count pauses by the one definition
 here (`find_pauses`): an inter-token latency over PAUSE_FACTOR times its run's median. C02 says the
 jitter is caused by pauses at context thresholds, so a pause must stand apart from the jitter itself:
 the factor sits above the spread that a static cache, which neither allocates nor crosses a
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ref_impl.ledger.core import Number, Verdict, claim, results
+from ref_impl.ledger.core import Number, Verdict, claim, decide, results
 
 GROWTH_STEP = 256   # kvcache.ChunkedKVCache's default step, mlx-lm's KVCache.step
 PAUSE_FACTOR = 10   # an inter-token latency over PAUSE_FACTOR × its run's median is a pause
@@ -77,80 +78,133 @@ def threshold_pauses(t: JitterTrace, factor: float = PAUSE_FACTOR) -> dict[str, 
             "off_threshold": [p for p in paused if p not in grow]}
 
 
-def check_c16(live: bool) -> Verdict:
-    """Static vs growing KV caches in the recorded kv-jitter runs: what allocation in the loop costs."""
+@dataclass(frozen=True)
+class CacheRuns:
+    """One model's three recorded kv-jitter runs on one machine, as C16 reads them: the KV cache stands in
+    for a workspace, allocated before the loop (static), every step (concat) or every GROWTH_STEP positions
+    (chunked). Static and chunked do the same work per step between growth steps."""
+    machine: str
+    backend: str
+    model: str
+    p50_ms: dict[str, float]            # strategy -> median ITL
+    thresholds: int = 0                 # the chunked run's growth thresholds crossed
+    pauses_ms: tuple[float, ...] = ()   # its ITLs at the thresholds it paused at (over PAUSE_FACTOR x its median)
+    off_threshold: int = 0              # its pauses elsewhere
+
+    def vs_static(self, strategy: str) -> float:
+        """A strategy's median ITL over the static cache's, less one."""
+        return self.p50_ms[strategy] / self.p50_ms["static"] - 1
+
+    @property
+    def step_cost(self) -> bool:
+        """Allocating every step cost something: concat's median exceeds static's by more than static's and
+        chunked's medians differ, the spread between two runs that do the same work per step."""
+        return self.vs_static("concat") > abs(self.vs_static("chunked"))
+
+
+@dataclass(frozen=True)
+class C16Evidence:
+    runs: tuple[CacheRuns, ...]
+    files: tuple[str, ...]
+
+
+def gather_c16(live: bool) -> C16Evidence | None:
+    """The recorded kv-jitter runs, per machine and model with all three caches; None without a GPU's."""
     traces = {(t.machine, t.model, t.strategy): t for t in jitter_traces()}
-    if not traces:
-        return Verdict("not testable here", "No kv-jitter records in results/: run `python -m ref_impl bench "
-                       "--dispatch` to measure static against growing caches.",
-                       {"kv-jitter traces": Number(0, "runs")}, "", "results/ (empty)")
-    ev, source = {}, set()
-    biggest = {}     # per machine, the model with the slowest static median: the most bytes per step
-    for (machine, model, s), t in traces.items():
-        if s == "static" and t.percentile(50) > biggest.get(machine, ("", 0.0))[1]:
-            biggest[machine] = (model, t.percentile(50))
-    for machine, (model, _) in sorted(biggest.items()):
-        for s in ("static", "chunked", "concat"):
-            t = traces.get((machine, model, s))
-            if t is None:
-                continue
-            source.add(f"results/{t.file}")
-            ev[f"{machine}, {model}, {s}: ITL p50"] = Number(t.percentile(50), "ms")
-            ev[f"{machine}, {model}, {s}: ITL p99 / p50"] = Number(t.percentile(99) / t.percentile(50), "×")
-            ev[f"{machine}, {model}, {s}: ITL max"] = Number(float(t.itl_ms.max()), "ms")
-    gpu = [t for t in traces.values() if t.backend != "cpu" and t.strategy == "chunked"]
-    crossed = paused = off = 0
-    pause_ms, pause_models, warm_paused = [], [], False
-    for t in gpu:
-        p = threshold_pauses(t)
-        crossed, paused, off = crossed + len(p["thresholds"]), paused + len(p["paused"]), off + len(p["off_threshold"])
-        pause_ms += [float(t.itl_ms[t.positions == x][0]) for x in p["paused"]]
-        pause_models += [t.model] if p["paused"] else []
-        warm_paused |= GROWTH_STEP in p["paused"]      # kv_jitter's 264-token warm-up crosses the first one
-    summary = ("Not as a statement about MLX: it allocates every step's activations from its buffer cache, and "
-               "allocation there is cheap")
-    gpu_big = [(m, mod) for m, (mod, _) in biggest.items() if traces[m, mod, "static"].backend != "cpu"]
-    if gpu_big and (gpu_big[0] + ("concat",)) in traces:
-        m, mod = gpu_big[0]
-        st, cc, ch = (traces[m, mod, s] for s in ("static", "concat", "chunked"))
-        ratio = cc.percentile(50) / st.percentile(50)
-        ev[f"{m}, {mod}: concat p50 / static p50"] = Number(ratio, "×")
-        summary += (f": a KV cache that allocates and copies its whole history every token (concat) decodes "
-                    f"{mod} on {m} at {ratio:.2f}× the static cache's median ITL, with p99/p50 "
-                    f"{cc.percentile(99) / cc.percentile(50):.2f} against {st.percentile(99) / st.percentile(50):.2f}")
-    if gpu:
-        ev |= {f"GPU chunked runs: {GROWTH_STEP}-step thresholds crossed": Number(crossed, "thresholds"),
-               f"... of them with an ITL > {PAUSE_FACTOR}× the run's median": Number(paused, "thresholds"),
-               f"GPU chunked runs: ITLs > {PAUSE_FACTOR}× median off the thresholds": Number(off, "tokens")}
-        if pause_ms:
-            ev |= {"GPU chunked threshold pauses: shortest": Number(min(pause_ms), "ms"),
-                   "GPU chunked threshold pauses: longest": Number(max(pause_ms), "ms")}
-            summary += (f". What a fixed-size cache does remove is the growing cache's changes of shape: on the GPU "
-                        f"{paused} of {crossed} growth thresholds paused the loop for {min(pause_ms):.0f}-"
-                        f"{max(pause_ms):.0f} ms ({off} pauses elsewhere), only on {', '.join(pause_models)} "
-                        f"and {'' if warm_paused else 'only '}at buffer sizes new to the process (the threshold the "
-                        f"warm-up crossed {'paused too' if warm_paused else 'did not pause again'}): a first-use cost "
-                        f"inside MLX's CUDA backend that these records do not take apart "
-                        f"(fresh device memory, or work for the new shape), and not a cost of allocating as such, "
-                        f"since concat allocates every step and never pauses")
-    cpu = [(m, mod) for m, (mod, _) in biggest.items() if (m, mod) not in gpu_big]
-    if cpu and all((cpu[0] + (s,)) in traces for s in ("static", "chunked", "concat")):
-        r = [traces[cpu[0] + (s,)].percentile(99) / traces[cpu[0] + (s,)].percentile(50) for s in ("static", "chunked", "concat")]
-        summary += (f"; on the CPU ({cpu[0][0]}) the three strategies' p99/p50 are {min(r):.2f}-{max(r):.2f}, "
-                    f"noise with no order")
-    summary += "; locks are not testable here (MLX exposes none, and one decode stream has nothing to contend with)."
-    return Verdict("qualified", summary, ev,
-                   "a KV cache of fixed shape, allocated before the loop, removes the pauses of a cache that changes "
-                   "shape as it grows; removing per-step allocation itself buys nothing measurable where a caching "
-                   "allocator (MLX's) serves it; lock contention not measured",
-                   "; ".join(sorted(source)) + " (kv-jitter records: every inter-token latency, async_eval pipelined)")
+    runs = []
+    for machine, model in sorted({(m, mo) for m, mo, _ in traces}):
+        if not all((machine, model, s) in traces for s in ("static", "chunked", "concat")):
+            continue
+        ch = traces[machine, model, "chunked"]
+        p = threshold_pauses(ch)
+        runs.append(CacheRuns(machine, ch.backend, model,
+                              {s: traces[machine, model, s].percentile(50) for s in ("static", "chunked", "concat")},
+                              len(p["thresholds"]), tuple(float(ch.itl_ms[ch.positions == x][0]) for x in p["paused"]),
+                              len(p["off_threshold"])))
+    if not any(r.backend != "cpu" for r in runs):
+        return None
+    return C16Evidence(tuple(runs), tuple(sorted({t.file for t in traces.values()})))
 
 
-C16 = claim("C16", "dispatch", check_c16,
+def judge_c16(e: C16Evidence) -> Verdict:
+    """Confirmed if per-step allocation costs on every GPU model and growth pauses; refuted if neither costs
+    anything anywhere; qualified otherwise, naming which did."""
+    gpu = [r for r in e.runs if r.backend != "cpu"]
+    cpu = [r for r in e.runs if r.backend == "cpu"]
+    stepped = [r for r in gpu if r.step_cost]
+    paused = [r for r in gpu if r.pauses_ms]
+    status = decide(len(stepped) == len(gpu) and bool(paused), contradicted=not stepped and not paused)
+    ev = {}
+    for r in gpu:
+        ev[f"{r.machine}, {r.model}: static ITL p50"] = Number(r.p50_ms["static"], "ms")
+        for s in ("concat", "chunked"):
+            ev[f"{r.machine}, {r.model}: {s} p50 / static p50"] = Number(1 + r.vs_static(s), "×")
+    pauses = [x for r in gpu for x in r.pauses_ms]
+    crossed, off = sum(r.thresholds for r in gpu), sum(r.off_threshold for r in gpu)
+    ev |= {f"GPU chunked runs: {GROWTH_STEP}-step thresholds crossed": Number(crossed, "thresholds"),
+           f"GPU chunked runs: thresholds with an ITL > {PAUSE_FACTOR}× the run's median":
+               Number(len(pauses), "thresholds"),
+           f"GPU chunked runs: ITLs > {PAUSE_FACTOR}× median off the thresholds": Number(off, "tokens")}
+    if pauses:
+        ev |= {"GPU chunked threshold pauses: shortest": Number(min(pauses), "ms"),
+               "GPU chunked threshold pauses: longest": Number(max(pauses), "ms")}
+    for r in cpu:
+        for s in ("concat", "chunked"):
+            ev[f"context, CPU: {r.machine}, {r.model}: {s} p50 / static p50"] = Number(1 + r.vs_static(s), "×")
+    removes = ("both" if paused and len(stepped) == len(gpu) else
+               "the growth pauses, and a per-step cost only where there was one" if paused else
+               "a per-step cost where there was one, and no growth pauses, there being none" if stepped else
+               "nothing measurable")
+    summary = (f"On the GPU ({', '.join(sorted({r.machine for r in gpu}))}) a KV cache that grows every "
+               f"{GROWTH_STEP} positions (chunked) paused at {len(pauses)} of {crossed} growth thresholds, and one "
+               f"that allocates a new history every step (concat) slowed the median ITL by more than the runs' "
+               f"spread for {len(stepped)} of {len(gpu)} models, so a cache allocated before the loop removes "
+               f"{removes} (MLX, the KV cache standing in for a workspace)")
+    if pauses:
+        summary += (f"; the pauses lasted {min(pauses):.0f}-{max(pauses):.0f} ms, on "
+                    + ", ".join(r.model for r in paused) + f", with {off} pauses elsewhere")
+    if stepped:
+        summary += ("; concat against static, beside the static-chunked spread: "
+                    + ", ".join(f"{r.model} {100 * r.vs_static('concat'):+.0f}% against "
+                                f"{100 * abs(r.vs_static('chunked')):.0f}%" for r in stepped))
+    if cpu:
+        spread = max(abs(r.vs_static("chunked")) for r in cpu)
+        summary += (f"; on the CPU ({', '.join(sorted({r.machine for r in cpu}))}), context only, the medians of "
+                    f"static and chunked, which do the same work per step, differ by up to {100 * spread:.0f}%")
+    summary += ("; kernel locks are not testable here (MLX exposes none, and one decode stream has nothing to "
+                "contend with).")
+    unstepped = [r.model for r in gpu if not r.step_cost]
+    condition = {
+        "confirmed": "a fixed-shape cache allocated before the loop removes both a per-step allocation cost and the "
+                     "pauses of a growing cache, measured through MLX on a GPU; lock contention not measured",
+        "refuted": "neither a per-step allocation nor a growing cache cost anything that a cache allocated before "
+                   "the loop avoids, measured through MLX on a GPU; lock contention not measured",
+        "qualified": ("a cache allocated before the loop removes the pauses of a cache that grows" if paused
+                      else "no growing cache paused")
+                     + (f"; per-step allocation, which MLX's caching allocator serves, cost nothing beyond the runs' "
+                        f"spread for {', '.join(unstepped)}" if unstepped else
+                        "; per-step allocation cost something on every GPU model")
+                     + "; lock contention not measured"}[status]
+    return Verdict(status, summary, ev, condition,
+                   "; ".join(f"results/{f}" for f in e.files) + " (kv-jitter records: every inter-token latency, "
+                   "async_eval pipelined)")
+
+
+C16 = claim("C16", "dispatch", gather_c16, judge_c16,
             short="static activation workspaces allocated at start-up remove allocation overhead and locks from the "
                   "generation loop",
             quote="Pre-allocating static activation workspaces at engine startup eliminates dynamic memory "
-                  "allocation overhead and kernel locks during the generation loop.")
+                  "allocation overhead and kernel locks during the generation loop.",
+            rule=f"Evidence: the recorded kv-jitter runs on a GPU through MLX, KV caches standing in for workspaces: "
+                 f"static (allocated before the loop), concat (every step), chunked (every {GROWTH_STEP} positions). "
+                 f"Per-step allocation costs where concat's median ITL exceeds static's by more than chunked's, "
+                 f"which does the same work per step, differs from it; growth costs where chunked pauses "
+                 f"(ITL > {PAUSE_FACTOR}x median) at a threshold. Confirmed if per-step allocation costs on every GPU "
+                 f"model and growth pauses; refuted if neither costs; qualified otherwise. Locks are not testable "
+                 f"(MLX exposes none); CPU runs are context.",
+            outcomes=("confirmed", "qualified", "refuted"),
+            pending=("a GPU's kv-jitter runs (static, chunked and concat caches)",
+                     "python -m ref_impl bench --dispatch"))
 
 
 CLAIMS = (C16,)   # in id order; __init__ assembles the registry

@@ -1,114 +1,250 @@
 """Chapter K-quants (book/kquants/super-blocks): C11 and C19.
 
-Q4_K's block layout counted from ggml's, its rounding error against Q4_0's at the same bits per
-kind of matrix of the shipped model, llama.cpp's published perplexity table, and the recorded
-quant and decode-shape runs.
+Q4_K's block layout counted from ggml's table and the engine's packing, its rounding error against
+Q4_0's at the same bits for every matrix of the shipped model, llama.cpp's Llama-3-8B perplexity
+scoreboard, and the recorded quant and decode-shape runs.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+from dataclasses import dataclass
 
 import numpy as np
 
-from ref_impl.formats import ggml, gguf, quantize
-from ref_impl.ledger.core import SHIPPED_MODEL, Number, Verdict, claim, results
+from ref_impl.formats import ggml, gguf, kquants, quantize
+from ref_impl.ledger.core import SHIPPED_MODEL, Number, Verdict, claim, decide, results
+
+# llama.cpp tools/perplexity/README.md, "LLaMA 3 8b Scoreboard" (revision f364eb6f, wikitext-2, no importance
+# matrix): file type -> (model size in GiB, perplexity). Its Q4_K_M row is quantize.cpp's "+0.1754 ppl".
+LLAMA3_8B_SCOREBOARD = {"F16": (14.97, 6.233160), "Q8_0": (7.96, 6.234284), "Q6_K": (6.14, 6.253382),
+                        "Q5_K_M": (5.33, 6.288607), "Q4_K_M": (4.58, 6.407115)}
+COMPARABLE_PCT = 1.0    # "comparable" perplexity: within 1% of F16's (the rule of C11 says why)
+FRACTION = 0.5          # "a fraction" of F16's bytes: at most half of them
+
+
+@dataclass(frozen=True)
+class SuperBlock:
+    """Q4_K's block: weights, bytes, fp16 numbers, and the 6-bit sub-block scales and minimums."""
+    weights: int
+    nbytes: int
+    fp16: int
+    scales: int
+    mins: int
+    bits: int = 6
+
+
+def q4_k_block() -> SuperBlock:
+    """Q4_K's super-block counted from ggml's block table and the engine's scale packing: what is not
+    fp16 numbers or 4-bit codes is 6-bit fields, unpacked by kquants.unpack_scales_q4_k."""
+    weights, nbytes = ggml.BLOCK[ggml.GGMLType.Q4_K]
+    fp16 = 2                                                         # d and dmin (ggml-common.h block_q4_K)
+    packed = nbytes - 2 * fp16 - weights // 2                       # 12 bytes of 6-bit fields
+    scales, mins = kquants.unpack_scales_q4_k(np.zeros((1, packed), np.uint8))
+    return SuperBlock(weights, nbytes, fp16, scales.shape[-1], mins.shape[-1])
 
 
 @functools.cache
-def kquant_errors() -> dict[str, dict[str, float]]:
-    """Mean relative RMS error of Q4_K and Q4_0 (both 4.5 bits per weight) per kind of matrix of the
-    shipped model; deterministic arithmetic, no timing (K-quant blocks run across its 384-wide rows)."""
-    out: dict[str, dict[str, list[float]]] = {}
+def matrix_errors() -> dict[str, dict[str, float]]:
+    """Relative RMS error of Q4_K and Q4_0 (both 4.5 bits per weight) for every layer matrix of the shipped
+    model, by tensor name; deterministic arithmetic, no timing (K-quant blocks run across its 384-wide rows)."""
     with gguf.read(SHIPPED_MODEL) as f:
-        for name, t in f.tensors.items():
-            if len(t.shape) == 2 and name.startswith("blk."):
-                kind = quantize.tensor_kind(name)
-                for fmt in ("Q4_K", "Q4_0"):
-                    out.setdefault(kind, {}).setdefault(fmt, []).append(quantize.relative_error(f.array(name), fmt))
-    return {k: {fmt: float(np.mean(v)) for fmt, v in d.items()} for k, d in out.items()}
+        return {name: {fmt: quantize.relative_error(f.array(name), fmt) for fmt in ("Q4_K", "Q4_0")}
+                for name, t in f.tensors.items() if len(t.shape) == 2 and name.startswith("blk.")}
 
 
-def check_c19(live: bool) -> Verdict:
-    """The block layout, counted; and Q4_K's error against Q4_0's at the same bits, per kind of matrix."""
-    values, nbytes = ggml.BLOCK[ggml.GGMLType.Q4_K]
-    ATTENTION, MLP = quantize.MATRIX_GROUPS["attention projections"], quantize.MATRIX_GROUPS["MLP"]
-    err = kquant_errors()
-    gain = {k: 100 * (1 - e["Q4_K"] / e["Q4_0"]) for k, e in err.items()}
-    attn, mlp = np.mean([gain[k] for k in ATTENTION]), np.mean([gain[k] for k in MLP])
-    ev = {"weights per Q4_K super-block": Number(values, "weights"),
-          "bytes per super-block (2 fp16 + 12 packed + 128 codes)": Number(nbytes, "B"),
-          "bits per weight": Number(8 * nbytes / values, "bits"),
-          "6-bit fields per super-block (8 scales + 8 minimums)": Number(16, "fields"),
-          "Q4_K error cut vs Q4_0 (same 4.5 bits), attention projections": Number(attn, "%"),
-          "Q4_K error cut vs Q4_0 (same 4.5 bits), MLP matrices": Number(mlp, "%")}
-    ev |= {f"relative RMS error, Q4_K, {k}": Number(100 * err[k]["Q4_K"], "%") for k in ATTENTION + MLP}
-    summary = (f"The layout is as stated but incomplete: a super-block holds {values} weights in {nbytes} bytes "
-               f"({8 * nbytes / values:g} bits per weight) with two fp16 numbers (the scale d and a minimum dmin) "
-               "and eight 6-bit scales plus eight 6-bit minimums; on the shipped model Q4_K has "
-               f"{attn:.0f}% less rounding error than Q4_0 at the same size in the attention projections and "
-               f"{mlp:.0f}% less in the MLP matrices, so it reduces noise everywhere, not in attention "
-               "projections in particular")
-    status = "qualified" if attn > 0 else "refuted"
-    return Verdict(status, summary + ".", ev,
-                   "reduced noise against a one-scale 4-bit format (Q4_0) at equal bits, in every kind of matrix; "
-                   "llama.cpp's Q4_K_M gives extra bits to attn_v and ffn_down, not to attention as a whole",
+def kquant_errors() -> dict[str, dict[str, float]]:
+    """Mean relative RMS error of Q4_K and Q4_0 per kind of matrix of the shipped model."""
+    by_kind: dict[str, dict[str, list[float]]] = {}
+    for name, e in matrix_errors().items():
+        for fmt, v in e.items():
+            by_kind.setdefault(quantize.tensor_kind(name), {}).setdefault(fmt, []).append(v)
+    return {k: {fmt: float(np.mean(v)) for fmt, v in d.items()} for k, d in by_kind.items()}
+
+
+@dataclass(frozen=True)
+class NoiseEvidence:
+    """C19's evidence: the super-block, and Q4_K's error cut against Q4_0 (%) per matrix, by kind."""
+    block: SuperBlock
+    cuts: dict[str, tuple[float, ...]]
+
+
+def gather_c19(live: bool) -> NoiseEvidence:
+    cuts: dict[str, list[float]] = {}
+    for name, e in matrix_errors().items():
+        cuts.setdefault(quantize.tensor_kind(name), []).append(100 * (1 - e["Q4_K"] / e["Q4_0"]))
+    return NoiseEvidence(q4_k_block(), {k: tuple(v) for k, v in cuts.items()})
+
+
+def mean_and_error(values) -> tuple[float, float]:
+    """The mean of `values` and its standard error."""
+    v = np.asarray(values, float)
+    return float(v.mean()), float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else 0.0
+
+
+def judge_c19(ev: NoiseEvidence) -> Verdict:
+    """The rule of C19 (see its `rule`), applied to the block and the error cuts."""
+    b = ev.block
+    group = {g: mean_and_error([c for k in quantize.MATRIX_GROUPS[g] for c in ev.cuts.get(k, ())])
+             for g in ("attention projections", "MLP")}
+    (attn, se_a), (mlp, se_m) = group["attention projections"], group["MLP"]
+    margin = 2 * math.hypot(se_a, se_m)
+    layout = b.weights == 256 and b.fp16 >= 1 and b.scales == 8 and b.bits == 6
+    status = decide(holds=layout and attn - mlp > margin, contradicted=not layout or attn <= 0)
+    evidence = {"weights per Q4_K super-block": Number(b.weights, "weights"),
+                f"bytes per super-block ({b.fp16} fp16 + {b.nbytes - 2 * b.fp16 - b.weights // 2} packed + "
+                f"{b.weights // 2} codes)": Number(b.nbytes, "B"),
+                "bits per weight": Number(8 * b.nbytes / b.weights, "bits"),
+                "fp16 numbers per super-block (scale d, minimum dmin)": Number(b.fp16, "fields"),
+                f"{b.bits}-bit sub-block scales": Number(b.scales, "fields"),
+                f"{b.bits}-bit sub-block minimums": Number(b.mins, "fields"),
+                "Q4_K error cut vs Q4_0 (same 4.5 bits), attention projections": Number(attn, "%"),
+                "Q4_K error cut vs Q4_0 (same 4.5 bits), MLP matrices": Number(mlp, "%"),
+                "two standard errors of the difference": Number(margin, "points")}
+    evidence |= {f"Q4_K error cut vs Q4_0, {k} ({len(v)} matrices)": Number(float(np.mean(v)), "%")
+                 for k, v in ev.cuts.items()}
+    facts = (f"a super-block holds {b.weights} weights in {b.nbytes} bytes ({8 * b.nbytes / b.weights:g} bits per "
+             f"weight) with {b.fp16} fp16 numbers and {b.scales} scales of {b.bits} bits"
+             + (f", plus {b.mins} minimums of {b.bits} bits that the claim leaves out" if b.mins else ""))
+    cut = (f"Q4_K has {attn:.1f}% less rounding error than Q4_0 at the same bits in the attention projections "
+           f"and {mlp:.1f}% less in the MLP matrices (two standard errors of the gap: {margin:.1f} points)")
+    lead = {"confirmed": "Confirmed: the layout is as stated and the noise falls most in the attention projections",
+            "qualified": "The layout is as stated but the noise falls in every kind of matrix, not in the attention "
+                         "projections in particular",
+            "refuted": "Refuted: " + ("the layout differs from the claim's" if not layout
+                                      else "Q4_K is not less noisy than Q4_0 in the attention projections")}[status]
+    condition = {"confirmed": "as stated: less noise than a one-scale format at equal bits, most in attention",
+                 "qualified": "less noise than a one-scale 4-bit format (Q4_0) at equal bits, in every kind of "
+                              "matrix alike; llama.cpp's Q4_K_M gives extra bits to attn_v and ffn_down, not to "
+                              "attention as a whole",
+                 "refuted": "none: " + ("the layout differs" if not layout else "no noise reduction in attention")}
+    return Verdict(status, f"{lead}: {facts}; {cut}.", evidence, condition[status],
                    "ggml-common.h block_q4_K; the shipped model's weights (blocks across rows); no timing")
 
 
-C19 = claim("C19", "kquants", check_c19,
+C19 = claim("C19", "kquants", gather_c19, judge_c19,
             short="Q4_K: 256 weights, one FP16 super-block scale, eight 6-bit sub-block scales, less noise in "
                   "attention projections",
             quote="Super-block K-quants (Q4_K) group 256 weights into chunks with a shared FP16 super-block scale "
-                  "and eight 6-bit sub-block scales, reducing quantization noise in attention projection layers.")
+                  "and eight 6-bit sub-block scales, reducing quantization noise in attention projection layers.",
+            rule="Evidence: Q4_K's super-block counted from ggml's block table and the engine's packing, and the "
+                 "relative rounding error of Q4_K against Q4_0 (one fp16 scale per 32 weights, the same 4.5 bits) "
+                 "for every matrix of the shipped model. Refuted if the super-block is not 256 weights with an fp16 "
+                 "scale and eight 6-bit sub-block scales, or Q4_K is not less noisy than Q4_0 in the attention "
+                 "projections. Confirmed if its error cut there exceeds the MLP's by more than two standard errors "
+                 "(the claim singles attention out); qualified otherwise: less noise everywhere, not there in "
+                 "particular.",
+            outcomes=("confirmed", "qualified", "refuted"))
 
 
-def check_c11(live: bool) -> Verdict:
-    """Q4_K_M's perplexity and bytes against F16: our measurements in results/, and llama.cpp's own table."""
-    gib16 = quantize.LLAMA3_8B_WEIGHTS * 2 / 2**30
-    gib, dppl = quantize.LLAMA_CPP_PUBLISHED["Q4_K_M"]
-    ev = {"Llama-3-8B Q4_K_M size / F16 size (llama.cpp's table)": Number(100 * gib / gib16, "%"),
-          "Llama-3-8B Q4_K_M perplexity increase (llama.cpp's table)": Number(dppl, "ppl")}
-    summary = (f"llama.cpp publishes +{dppl} perplexity for Llama-3-8B at Q4_K_M, in {100 * gib / gib16:.0f}% "
-               "of the F16 bytes")
-    source = "llama.cpp tools/quantize/quantize.cpp (published table)"
-    quant = {(m["label"], r["weights"], r["metric"], r.get("variant")): r["value"]
-             for _, m, r in results("quant")
-             if r["peer"] is None and r["model"] == SHIPPED_MODEL.stem}
-    ppl = {(label, w): v for (label, w, metric, _), v in quant.items() if metric == "heldout_perplexity"}
-    label = next((lab for lab, w in ppl if w == "Q4_K_M" and (lab, "F16") in ppl), None)
-    if label:
-        p16, p4 = ppl[label, "F16"], ppl[label, "Q4_K_M"]
-        size = quant[label, "Q4_K_M", "tensor_bytes", None] / quant[label, "F16", "tensor_bytes", None]
-        ev |= {"stdlib-10m Q4_K_M perplexity increase (measured)": Number(100 * (p4 / p16 - 1), "%"),
-               "stdlib-10m Q4_K_M bytes / F16 bytes (measured)": Number(100 * size, "%")}
-        summary += (f"; measured here, the shipped model's Q4_K_M (mostly Q5_0 and Q8_0, since its 384-wide rows "
-                    f"hold no 256-value super-block) costs {100 * (p4 / p16 - 1):+.2f}% perplexity in "
-                    f"{100 * size:.0f}% of the F16 bytes")
-        source = f"results/ (machine {label}); {source}"
-    shape = {(m["label"], r["weights"], r["metric"]): r["value"]
-             for _, m, r in results("decode-shape")}
-    gpu = next((lab for lab, w, _ in shape if w == "Q4_K_M" and (lab, "F16", "tokens_per_s") in shape), None)
-    if gpu:
-        t16, t4 = shape[gpu, "F16", "tokens_per_s"], shape[gpu, "Q4_K_M", "tokens_per_s"]
-        ev |= {"Llama-3.1-8B-shaped decode, Q4_K_M / F16 speed (MLX, measured)": Number(t4 / t16, "×"),
-               "share of measured bandwidth reached, Q4_K_M (MLX)": Number(100 * shape[gpu, "Q4_K_M", "bandwidth_fraction"], "%"),
-               "share of measured bandwidth reached, F16 (MLX)": Number(100 * shape[gpu, "F16", "bandwidth_fraction"], "%")}
-        summary += (f"; but the saved bandwidth becomes speed only with a kernel that streams the packed weights "
-                    f"as fast as floats: on {gpu}, MLX's quantized GEMV decodes an 8B-shaped Q4_K_M model "
-                    f"{t4 / t16:.2f}× as fast as F16")
-        source += f"; results/ (machine {gpu})"
-    return Verdict("qualified", summary + ".", ev,
-                   "perplexity: comparable (well under 1% here, +0.18 on Llama-3-8B); bandwidth: a fraction of the "
-                   "bytes is read, a matching speed-up needs a bandwidth-bound quantized kernel", source)
+@dataclass(frozen=True)
+class Q4KMEvidence:
+    """C11's evidence: the super-block; per model, F16's and Q4_K_M's perplexity; per measure of bytes,
+    F16's and Q4_K_M's; the shipped Q4_K_M's tensors per GGML type; and, shown beside, the recorded
+    8B-shaped decode speed and share of measured bandwidth (F16, Q4_K_M) on `gpu`."""
+    block: SuperBlock
+    ppl: dict[str, tuple[float, float]]
+    nbytes: dict[str, tuple[float, float]]
+    mix: dict[str, int]
+    speed: tuple[float, float]
+    share: tuple[float, float]
+    gpu: str
+    source: str
 
 
-C11 = claim("C11", "kquants", check_c11,
+def gather_c11(live: bool) -> Q4KMEvidence | None:
+    """llama.cpp's scoreboard, the shipped model's recorded quant run and the recorded decode-shape run
+    (None when either is missing)."""
+    quant = {(m["label"], r["weights"], r["metric"]): r for _, m, r in results("quant")
+             if r["peer"] is None and r["model"] == SHIPPED_MODEL.stem and r.get("variant") is None}
+    label = next((lab for lab, w, metric in quant if (w, metric) == ("Q4_K_M", "heldout_perplexity")
+                  and (lab, "F16", "heldout_perplexity") in quant), None)
+    shape = {(m["label"], r["weights"], r["metric"]): r["value"] for _, m, r in results("decode-shape")}
+    gpu = next((lab for lab, w, _ in shape if w == "Q4_K_M" and (lab, "F16", "bytes_per_token") in shape), None)
+    if label is None or gpu is None:
+        return None
+    (g16, p16), (g4, p4) = LLAMA3_8B_SCOREBOARD["F16"], LLAMA3_8B_SCOREBOARD["Q4_K_M"]
+    ppl, nbytes = (tuple(quant[label, w, metric]["value"] for w in ("F16", "Q4_K_M"))
+                   for metric in ("heldout_perplexity", "tensor_bytes"))
+    s = {metric: tuple(shape[gpu, w, metric] for w in ("F16", "Q4_K_M"))
+         for metric in ("bytes_per_token", "tokens_per_s", "bandwidth_fraction")}
+    return Q4KMEvidence(
+        q4_k_block(),
+        {"Llama-3-8B (llama.cpp's scoreboard)": (p16, p4), f"stdlib-10m (measured, {label})": ppl},
+        {"Llama-3-8B file (llama.cpp's scoreboard)": (g16, g4), f"stdlib-10m tensors (measured, {label})": nbytes,
+         f"Llama-3.1-8B-shaped decode step (measured, {gpu})": s["bytes_per_token"]},
+        dict(quant[label, "Q4_K_M", "tensor_bytes"].get("mix", {})), s["tokens_per_s"], s["bandwidth_fraction"], gpu,
+        f"results/ (quant: {label}; decode-shape: {gpu}); llama.cpp tools/perplexity/README.md (LLaMA 3 8b Scoreboard)")
+
+
+def shipped_mix(mix: dict[str, int]) -> str:
+    """The shipped Q4_K_M's quantized tensors in words: how many are K-quants, and the other types."""
+    quantized = {t: n for t, n in mix.items() if t not in ("F32", "F16")}
+    k = {t: n for t, n in quantized.items() if t.endswith("_K")}
+    rest = ", ".join(f"{n} {t}" for t, n in sorted(quantized.items(), key=lambda tn: -tn[1]) if t not in k)
+    return (f"{sum(k.values())} of {sum(quantized.values())} quantized tensors are K-quants"
+            + (f" (the others {rest}: llama.cpp's fallbacks for rows that hold no whole super-block)" if rest else ""))
+
+
+def judge_c11(ev: Q4KMEvidence) -> Verdict:
+    """The rule of C11 (see its `rule`), applied to the perplexities and bytes."""
+    b = ev.block
+    rise = {m: 100 * (q / f - 1) for m, (f, q) in ev.ppl.items()}
+    ratio = {m: 100 * q / f for m, (f, q) in ev.nbytes.items()}
+    within = [m for m, r in rise.items() if r <= COMPARABLE_PCT]
+    layout = b.weights == 256 and b.scales == b.mins > 0
+    fraction = all(r <= 100 * FRACTION for r in ratio.values())
+    status = decide(holds=layout and fraction and len(within) == len(rise),
+                    contradicted=not layout or not fraction or not within)
+    evidence = {"weights per Q4_K super-block": Number(b.weights, "weights"),
+                "sub-block scales and minimums (offsets) per super-block": Number(b.scales + b.mins, "fields")}
+    evidence |= {f"Q4_K_M perplexity increase over F16, {m}": Number(r, "%") for m, r in rise.items()}
+    evidence |= {f"Q4_K_M bytes / F16 bytes, {m}": Number(r, "%") for m, r in ratio.items()}
+    evidence |= {f"Llama-3-8B {t} perplexity increase over F16 (llama.cpp's scoreboard)":
+                 Number(100 * (p / LLAMA3_8B_SCOREBOARD["F16"][1] - 1), "%")
+                 for t, (_, p) in LLAMA3_8B_SCOREBOARD.items() if t not in ("F16", "Q4_K_M")}
+    evidence |= {f"8B-shaped decode, Q4_K_M / F16 speed ({ev.gpu}, MLX)": Number(ev.speed[1] / ev.speed[0], "×"),
+                 f"share of measured bandwidth reached, F16 ({ev.gpu}, MLX)": Number(100 * ev.share[0], "%"),
+                 f"share of measured bandwidth reached, Q4_K_M ({ev.gpu}, MLX)": Number(100 * ev.share[1], "%")}
+    ppl = "; ".join(f"{m}: {r:+.2f}% perplexity, {'within' if m in within else 'outside'} the "
+                    f"{COMPARABLE_PCT:g}% band" for m, r in rise.items())
+    nbytes = ", ".join(f"{r:.0f}% ({m})" for m, r in ratio.items())
+    outside = [m for m in rise if m not in within]
+    lead = {"confirmed": "Confirmed: Q4_K_M stays within the band on every model, at a fraction of the bytes",
+            "qualified": f"Comparable only on some models: Q4_K_M reads a fraction of F16's bytes but its "
+                         f"perplexity leaves the {COMPARABLE_PCT:g}% band on {' and '.join(outside)}",
+            "refuted": "Refuted: " + ("Q4_K's super-block is not as stated" if not layout else
+                                      "Q4_K_M does not read a fraction of F16's bytes" if not fraction else
+                                      f"its perplexity leaves the {COMPARABLE_PCT:g}% band on every model")}[status]
+    beside = (f"in the shipped model's Q4_K_M {shipped_mix(ev.mix)}; and on {ev.gpu} the bytes saved became "
+              f"{ev.speed[1] / ev.speed[0]:.2f}× F16's decode speed (8B-shaped, MLX's quantized GEMV at "
+              f"{100 * ev.share[1]:.0f}% of the measured bandwidth against F16's {100 * ev.share[0]:.0f}%)")
+    condition = {"confirmed": "as stated, on every model measured",
+                 "qualified": f"perplexity within {COMPARABLE_PCT:g}% of F16's only on " + " and ".join(within)
+                              + f", not on {' and '.join(outside)}; bytes a fraction of F16's everywhere",
+                 "refuted": "none measured"}[status]
+    return Verdict(status, f"{lead}. {ppl}; bytes against F16's: {nbytes}. Beside the rule: {beside}.",
+                   evidence, condition, ev.source)
+
+
+C11 = claim("C11", "kquants", gather_c11, judge_c11,
             short="Q4_K_M super-blocks of 256 weights with sub-block scales and offsets keep perplexity comparable "
                   "to FP16 at a fraction of the bandwidth",
             quote="K-quants (Q4_K_M) partition weights into super-blocks of 256 weights containing sub-blocks with "
                   "independent scales and offsets, preserving perplexity comparable to unquantized FP16 at a "
-                  "fraction of memory bandwidth.")
+                  "fraction of memory bandwidth.",
+            rule="Evidence: Q4_K's super-block (ggml's table); Q4_K_M's perplexity against F16's on Llama-3-8B "
+                 "(llama.cpp's perplexity scoreboard) and on the shipped model (recorded quant run); Q4_K_M's bytes "
+                 "against F16's in both and in a recorded Llama-3.1-8B-shaped decode step. 'Comparable' is within 1% "
+                 "of F16's perplexity, the band of the scoreboard's 5-bit and wider types; 'a fraction' is at most "
+                 "half the bytes. Confirmed if every model stays within 1% at a fraction of the bytes; refuted if "
+                 "none does, the bytes are no fraction, or the super-block is not 256 weights with sub-block scales "
+                 "and offsets; qualified otherwise, naming the model outside the band.",
+            outcomes=("confirmed", "qualified", "refuted"),
+            pending=("the K-quants chapter's quant and decode-shape results",
+                     "python -m ref_impl bench --quant F16 Q4_K_M --label my-machine; "
+                     "python -m ref_impl bench --shape Llama-3.1-8B --weights F16 Q4_K_M --label my-gpu"))
 
 
 CLAIMS = (C11, C19)   # in id order; __init__ assembles the registry

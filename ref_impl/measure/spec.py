@@ -354,7 +354,7 @@ def _method_records(m: _Method, gammas: Sequence[int], plan: SpecPlan) -> list[d
     verification realized, greedy agreement with plain decoding, and the model's speedup at the
     realized α and measured c (verification costing one step, and costing the measured ratio)."""
     n, P = plan.gen_tokens, plan.prompt_len
-    for g in gammas:        # a full warm-up run per γ: the timed runs meet no kernel, shape or length for the first time
+    for g in gammas:        # a full warm-up run per γ: timed runs meet no kernel, shape or length for the first time
         _step_runs(lambda: m.make_steps(g), n, 1)
     kv = dtype_name(m.model.norm.weight.dtype)
     rec = []
