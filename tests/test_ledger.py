@@ -206,3 +206,11 @@ def test_ledger_html_escapes_text_and_has_one_row_per_claim():
     page = ledger.ledger_html([(evil, ledger.Verdict("refuted", "<script>alert(1)</script>."))])
     assert "<script>" not in page and "&lt;script&gt;" in page and "x &lt; y &amp; z." in page
     assert ledger.status_counts(rows)["pending"] == 0            # every rule's results are recorded
+
+
+def test_verdict_texts_have_no_workshop_words():
+    from test_book import WORKSHOP_WORDS
+    for c, v in ledger.ledger(live=False):
+        text = " ".join((c.rule, v.summary, v.condition, v.source, *v.evidence))
+        found = sorted({m.group(0) for pat in WORKSHOP_WORDS for m in re.finditer(pat, text, re.I)})
+        assert not found, f"{c.id} says {found}"

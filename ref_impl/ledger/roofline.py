@@ -359,7 +359,7 @@ def judge_c26(e: PrefillEvidence) -> Verdict:
                f"the tensor units at least half busy ({reach}), so only prompts that long qualify"
                ) + "; scaling with the compute clock is not measured"
     condition = (f"prompts long enough to keep the tensor units busy ({reach}), not a fixed "
-                 f"{C26_INTENSITY:.0f} FLOP/byte; clock scaling untested (the lent GPU's clocks are left as they are)")
+                 f"{C26_INTENSITY:.0f} FLOP/byte; clock scaling untested (the H200's clocks are left as they are)")
     source = "; ".join(sorted({f"{s.source} (machine {s.machine})" for s in e.sweeps})) + f"; {TABLES}"
     if e.live is not None:
         live_ev, _, text = live_matmul(e.live)
