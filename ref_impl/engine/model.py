@@ -19,6 +19,7 @@ See chapter: intro
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,17 +39,23 @@ from ref_impl.theory.shapes import ModelShape
 SHORT_QUERIES = 16
 
 
+@functools.lru_cache(maxsize=64)
+def causal_bias(L: int, T: int, groups: int, dtype: mx.Dtype) -> mx.array:
+    """(groups * L, T): 0 where query i of L (in each of `groups` query heads) may see key j of T, that is
+    j <= T - L + i, and -inf elsewhere. Cached, so every layer of one forward shares one array."""
+    visible = mx.arange(T)[None, :] <= mx.arange(T - L, T)[:, None]
+    return mx.tile(mx.where(visible, 0.0, -mx.inf).astype(dtype), (groups, 1))
+
+
 def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
     """Attention of L queries (B, H, L, D) over T keys (B, Hkv, T, D), query i seeing keys up to T - L + i
-    (the causal mask lined up with the last L keys), as matmuls and a softmax: no shape-keyed plan."""
+    (the causal mask lined up with the last L keys), as one scaled matmul plus mask (addmm), a softmax and a
+    matmul: no shape-keyed plan, and few launches, since a host-bound GPU pays for each."""
     B, H, L, D = q.shape
     n_kv, T = k.shape[1], k.shape[2]
-    q = (q * scale).reshape(B, n_kv, H // n_kv * L, D)          # each key head's group of query heads
-    scores = (q @ k.swapaxes(-1, -2)).reshape(B, n_kv, H // n_kv, L, T)
-    visible = mx.arange(T)[None, :] <= mx.arange(T - L, T)[:, None]
-    scores = mx.where(visible, scores, mx.array(-mx.inf, scores.dtype))
-    weights = mx.softmax(scores, axis=-1, precise=True).reshape(B, n_kv, H // n_kv * L, T)
-    return (weights @ v).reshape(B, H, L, D)
+    q = q.reshape(B, n_kv, H // n_kv * L, D)                    # each key head's group of query heads
+    scores = mx.addmm(causal_bias(L, T, H // n_kv, q.dtype), q, k.swapaxes(-1, -2), alpha=scale)
+    return (mx.softmax(scores, axis=-1, precise=True) @ v).reshape(B, H, L, D)
 
 
 @dataclass
