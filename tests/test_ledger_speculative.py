@@ -66,3 +66,11 @@ def test_c24_c22_c13_evidence_is_the_recorded_numbers():
                 assert n.value == pytest.approx(100 * (m["speedup"][g] - 1))
         if ("mtp", "stdlib-10m-mtp") in d["pooled"]:
             assert v13.evidence[f"MTP heads, greedy α on held-out text ({label})"].value == d["pooled"]["mtp", "stdlib-10m-mtp"]
+
+
+def test_spec_recorded_reads_the_newest_file_or_the_one_named():
+    files = sorted({(m["label"], name) for name, m, _ in ledger.core.results("spec-speed")})
+    newest = ledger.spec_recorded()
+    for label, name in files:
+        (one,) = ledger.spec_recorded(name).values()
+        assert one["speed"] and (one == newest[label]) == (name == max(n for lab, n in files if lab == label))

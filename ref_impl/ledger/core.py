@@ -130,11 +130,12 @@ def recorded(experiment: str, model: str) -> list[tuple[str, dict, dict]]:
             if r["model"] == model and r.get("peer") is None]
 
 
-def by_machine(experiment: str) -> dict[str, tuple[dict, list[dict]]]:
-    """Our records of one experiment, per machine label: (machine, records of its newest file)."""
+def by_machine(experiment: str, file: str | None = None) -> dict[str, tuple[dict, list[dict]]]:
+    """Our records of one experiment, per machine label: (machine, records of its newest file), or of the
+    results file named `file` only (an older run a chapter sets beside the newest)."""
     files: dict[str, dict[str, tuple[dict, list[dict]]]] = {}
     for name, machine, r in results(experiment):
-        if r.get("peer") is None:
+        if r.get("peer") is None and file in (None, name):
             files.setdefault(machine["label"], {}).setdefault(name, (machine, []))[1].append(r)
     return {label: f[max(f)] for label, f in files.items()}
 

@@ -19,13 +19,13 @@ _SPEC_SOURCES = ("Leviathan, Kalman and Matias 2023 (the rule, E(α, γ), Theore
                  "Cai et al. 2024 (Medusa heads)")
 
 
-def spec_recorded() -> dict[str, dict]:
-    """Per machine: "backend"; "alpha": {(variant, drafter): {γ: α}} and "pooled": {(variant, drafter): α over
+def spec_recorded(file: str | None = None) -> dict[str, dict]:
+    """Per machine (its newest file, or the results file named `file` only): "backend"; "alpha": {(variant, drafter): {γ: α}} and "pooled": {(variant, drafter): α over
     every γ} (greedy); "forward": {model: {positions: t(L)/t(1)}}; "forward_ms": {model: {positions: ms}};
     "plain": {model: pipelined tokens/s}; "speed": {(model, variant, drafter, alpha_set): {metric: {γ: value}}}."""
     out: dict[str, dict] = {}
     for exp in ("spec-alpha", "spec-forward", "spec-speed"):
-        for label, (machine, recs) in by_machine(exp).items():
+        for label, (machine, recs) in by_machine(exp, file).items():
             d = out.setdefault(label, {"backend": machine["backend"], "alpha": {}, "pooled": {}, "forward": {},
                                        "forward_ms": {}, "plain": {}, "speed": {}})
             for r in recs:
