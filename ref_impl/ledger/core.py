@@ -79,11 +79,6 @@ class Verdict:
     source: str = ""            # the machine that measured, or where the numbers come from
 
 
-def not_recorded(what: str, command: str, evidence: dict[str, Number]) -> Verdict:
-    """The verdict of a check whose results are missing: pending, naming the command that records them."""
-    return Verdict("pending", f"Not checked yet: {what} are not recorded (`{command}`).", evidence)
-
-
 @dataclass(frozen=True)
 class Claim:
     """One seed claim: its id, home chapter, short form, verbatim sentence and seed file, and its check:
@@ -103,8 +98,10 @@ class Claim:
         """The verdict: the rule applied to the gathered evidence, or pending when its results are missing."""
         evidence = self.gather(live)
         if evidence is None:
-            what, command = self.pending or ("its results", "python -m ref_impl bench")
-            return not_recorded(what, command, {})
+            if self.pending is None:
+                raise ValueError(f"{self.id}: no evidence, and its rule reads no results that could be missing")
+            what, command = self.pending
+            return Verdict("pending", f"Not checked yet: {what} are not recorded (`{command}`).")
         v = self.judge(evidence)
         if v.status not in self.outcomes:
             raise ValueError(f"{self.id}: the rule gave {v.status!r}, not one of its outcomes {self.outcomes}")
