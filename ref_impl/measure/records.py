@@ -17,6 +17,7 @@ See chapter: how-to-read
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 from pathlib import Path
 
@@ -85,9 +86,17 @@ def read_results(experiment: str, results_dir: Path = RESULTS_DIR) -> list[tuple
     files in name order (per machine, oldest first); each record in today's vocabulary (`canonical`)."""
     out = []
     for path in sorted(Path(results_dir).glob("*.json")):
-        data = json.loads(path.read_text())
-        out += [(path.name, data["machine"], canonical(r)) for r in data["records"] if r["experiment"] == experiment]
+        stat = path.stat()
+        data = _parsed(str(path), stat.st_mtime_ns, stat.st_size)
+        out += [(path.name, dict(data["machine"]), canonical(r)) for r in data["records"]
+                if r["experiment"] == experiment]
     return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _parsed(path: str, mtime_ns: int, size: int) -> dict:
+    """One results file, parsed once per version of it (the ledger reads every file for every claim)."""
+    return json.loads(Path(path).read_text())
 
 
 def select(experiment: str, results_dir: Path = RESULTS_DIR, **where) -> list[tuple[str, dict, dict]]:
