@@ -13,6 +13,7 @@
     python -m ref_impl bench --dispatch --shapes tiny Llama-3.2-1B Llama-3.1-8B --label h200
     python -m ref_impl bench --kv --label h200
     python -m ref_impl bench --spec --label h200
+    python -m ref_impl bench --capstone --label cpu-2core
 
 Bad input (a missing or malformed file, an impossible setting) prints one line on stderr
 and exits with status 2; no traceback.
@@ -32,28 +33,45 @@ from ref_impl.formats.quantize import FILE_TYPES, quantize_file
 
 
 def cmd_generate(a: argparse.Namespace) -> None:
+    from collections import Counter
+
     import mlx.core as mx
 
     from ref_impl import kernels
     from ref_impl.engine.checkpoint import load
-    from ref_impl.engine.generate import Sampler, generate
+    from ref_impl.engine.compose import Techniques, check_files, generate
+    from ref_impl.engine.generate import Sampler
+    from ref_impl.engine.mtp import load_heads
 
-    sampler = Sampler(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed)  # checks before loading
-    # MLX's quantized matmuls pay off on a GPU; on the CPU its float32 BLAS path is faster (see k-quants)
-    quantized = a.weights == "native" or (a.weights == "auto" and mx.default_device() != mx.cpu)
+    # every refusal before any weight is read: the switches alone, then the files' metadata
+    sampler = Sampler(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
+    if a.draft and a.mtp:
+        raise ValueError("--draft and --mtp are two proposers for one verification: choose one")
+    techniques = Techniques(kv=a.kv, fused=a.kv_fused, speculate="draft" if a.draft else "mtp" if a.mtp else None,
+                            gamma=a.gamma, pipeline=not a.sync, compiled=a.compile)
     if a.kernels == "on" and not kernels.on_cuda():
         raise SystemExit(f"--kernels on: our GEMV kernels need MLX's CUDA backend; this is {mx.default_device()}")
-    model, tokenizer = load(a.model, {"float32": mx.float32, "float16": mx.float16,
-                                      "bfloat16": mx.bfloat16, None: None}[a.dtype], quantized)
-    if a.kernels != "off" and kernels.on_cuda():
-        # per matrix shape, the faster of our kernels and MLX's built-in, timed on the model's own weights
-        print(kernels.summary(kernels.patch(model, rows=(1,), fuse=True)), file=sys.stderr)
+    check_files(a.model, a.draft, a.mtp)
+    # MLX's quantized matmuls pay off on a GPU; on the CPU its float32 BLAS path is faster (see k-quants)
+    quantized = a.weights == "native" or (a.weights == "auto" and mx.default_device() != mx.cpu)
+    dtype = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16, None: None}[a.dtype]
+    model, tokenizer = load(a.model, dtype, quantized)
+    proposer = load(a.draft, dtype, quantized)[0] if a.draft else load_heads(a.mtp, model, dtype) if a.mtp else None
+    patched = a.kernels != "off" and kernels.on_cuda()
+    if patched:
+        # per matrix shape, the faster of our kernels and MLX's built-in, timed on the model's own weights;
+        # a verification's gamma+1 rows too when speculating
+        rows = (1, a.gamma + 1) if techniques.speculate and a.gamma + 1 <= kernels.MAX_ROWS else (1,)
+        print(kernels.summary(kernels.patch(model, rows=rows, fuse=True)), file=sys.stderr)
     sys.stdout.write(a.prompt)
-    g = generate(model, tokenizer, a.prompt, a.max_tokens, sampler, pipeline=not a.sync,
-                 on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()), compiled=a.compile)
+    g = generate(model, tokenizer, a.prompt, a.max_tokens, sampler, techniques, proposer,
+                 on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     print(flush=True)
-    print(f"[{len(g.prompt_tokens)} prompt tokens, {len(g.tokens)} generated] "
-          f"TTFT {g.ttft * 1e3:.1f} ms, decode {g.decode_tokens_per_s:.1f} tok/s", file=sys.stderr)
+    with gguf.read(a.model) as f:   # the matrices' types, most common first
+        weights = "/".join(t for t, _ in Counter(t.type.name for t in f.tensors.values() if len(t.shape) == 2)
+                           .most_common())
+    held = "MLX quantized" if quantized else str(model.norm.weight.dtype).split(".")[-1]
+    print(f"weights {weights} as {held}, kernels {'patched' if patched else 'off'}, {g.summary()}", file=sys.stderr)
 
 
 def cmd_inspect(a: argparse.Namespace) -> None:
@@ -182,10 +200,15 @@ def add_bench(sub) -> None:
     b.add_argument("--spec", action="store_true",
                    help="speculative decoding: acceptance on held-out text, forward time vs positions, speedup for "
                         "gamma 1..8 of --model with --draft, its MTP heads and random pairs with alpha set")
-    b.add_argument("--draft", default="models/stdlib-draft-1m.gguf", help="the draft model for --spec")
-    b.add_argument("--mtp-heads", help="MTP heads for --spec (default: MODEL-mtp.gguf beside --model, if present)")
+    b.add_argument("--capstone", action="store_true",
+                   help="the composed decoder's switches one at a time and together (an ablation ladder), mlx-lm and "
+                        "llama.cpp on the same weights, a long-context case, perplexity per weights and cache; on "
+                        "--model with --draft and its MTP heads, or on random weights of --shape")
+    b.add_argument("--draft", default="models/stdlib-draft-1m.gguf", help="the draft model for --spec and --capstone")
+    b.add_argument("--mtp-heads", help="MTP heads for --spec and --capstone (default: MODEL-mtp.gguf beside --model, "
+                                       "if present)")
     b.add_argument("--quick", action="store_true",
-                   help="--dispatch, --spec or --kv with tiny sizes: checks it runs, in seconds; --kernels: "
+                   help="--dispatch, --spec, --kv or --capstone with tiny sizes: checks it runs, in seconds; --kernels: "
                         "decode only, default launches (no per-matrix sweep or timing)")
     b.add_argument("--work-dir", help="where --quant and --shape write their temporary GGUF files")
     b.add_argument("--label", help="machine label for the file name (default: host-backend)")
@@ -217,6 +240,16 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--compile", action="store_true",
                    help="trace one decode step with mx.compile and replay it at every position (less host time "
                         "per token where the host limits decode)")
+    g.add_argument("--kv", default="float", metavar="SCHEME",
+                   help="the KV cache: float, or a quantized scheme (sym8, sym4, affine8, affine4-g32, kivi4, "
+                        "outlier4, ...: the KV-cache chapter's)")
+    g.add_argument("--kv-fused", action="store_true",
+                   help="attention straight on the cache's codes (affine and outlier schemes), not a dequantized copy")
+    g.add_argument("--draft", metavar="MODEL.gguf",
+                   help="speculative decoding: a small model with the same vocabulary proposes, this one verifies")
+    g.add_argument("--mtp", metavar="HEADS.gguf",
+                   help="self-speculative decoding: multi-token-prediction heads trained on this model propose")
+    g.add_argument("--gamma", type=int, default=4, help="drafts proposed per verification (--draft or --mtp)")
     g.set_defaults(run=cmd_generate)
 
     i = sub.add_parser("inspect", help="print a GGUF file's metadata and tensor table")

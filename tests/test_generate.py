@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from ref_impl.engine.checkpoint import load, load_model
-from ref_impl.engine.generate import Sampler, compiled_decoder, generate, generate_step
+from ref_impl.engine.compose import generate
+from ref_impl.engine.generate import Sampler, compiled_decoder, generate_step
 from ref_impl.engine.kvcache import ConcatKVCache, KVCache, StepCache
 from ref_impl.formats import gguf
 

@@ -308,7 +308,7 @@ def test_errors_match_kvcache(kind):
 def test_make_caches():
     caches = kvquant.make_caches("kivi2", 3, 1, 2, 64, 64, window=64)
     assert len(caches) == 3 and caches[0].bits == 2 and caches[0].window == 64
-    with pytest.raises(ValueError, match="unknown cache kind 'int3'"):
+    with pytest.raises(ValueError, match="unknown KV-cache scheme 'int3'"):
         kvquant.make_caches("int3", 1, 1, 2, 64, 8)
     with pytest.raises(ValueError, match="mx.quantize needs"):
         kvquant.AffineKVCache(1, 2, 48, 8, group=32)

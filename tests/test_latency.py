@@ -98,7 +98,7 @@ def test_cache_sizes():
     assert chunked.keys.shape[2] == 512                   # two whole steps of 256 hold 301 positions
     assert concat.keys.shape[2] == 301                    # exactly what is stored
     assert KVCache(1, 2, 4, 1000).nbytes == 2 * 1000 * 8 * 4
-    with pytest.raises(ValueError, match="unknown cache kind"):
+    with pytest.raises(ValueError, match="unknown KV-cache scheme"):
         make_caches("paged", 1, 1, 2, 4, 8)
 
 

@@ -17,7 +17,8 @@ from numpy_reference import load as np_load
 
 from ref_impl.engine import random, transcode
 from ref_impl.engine.checkpoint import load, load_model
-from ref_impl.engine.generate import Sampler, generate
+from ref_impl.engine.compose import generate
+from ref_impl.engine.generate import Sampler
 from ref_impl.engine.model import ModelArgs
 from ref_impl.engine.tokenizer import Tokenizer
 from ref_impl.formats import ggml, gguf, kquants

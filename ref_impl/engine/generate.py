@@ -10,23 +10,21 @@ MLX is lazy: `model(...)` only builds a graph, and `mx.eval` runs it. The plain 
 evaluates each token and reads it back (`.item()`), so the host waits while the device
 computes. With `pipeline=True` the graph of step t+1 is queued with `mx.async_eval` before
 step t's token is read, so building the next graph overlaps the current computation
-(the dispatch chapter measures what that buys). Both give identical tokens.
+(the dispatch chapter measures what that buys). Both give identical tokens. The loop that
+composes this one with every other technique, and streams text, is compose.py's `generate`.
 
 See chapter: dispatch
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
-import numpy as np
 
 from ref_impl.engine.kvcache import Cache, KVCache, StepCache
 from ref_impl.engine.model import Model
-from ref_impl.engine.tokenizer import Tokenizer
 
 
 @dataclass
@@ -140,70 +138,3 @@ def generate_step(model: Model, prompt: list[int], sampler: Sampler, cache: list
             mx.async_eval(next_y)   # queue step t+1 before waiting on step t
         yield y.item()
         y = next_y
-
-
-@dataclass
-class Generation:
-    """The tokens, the text and the per-token timestamps of one generation."""
-    prompt_tokens: list[int]
-    tokens: list[int] = field(default_factory=list)
-    text: str = ""
-    start: float = 0.0                                        # perf_counter before prefill
-    token_times: list[float] = field(default_factory=list)    # perf_counter at each token
-
-    @property
-    def ttft(self) -> float:
-        """Seconds from the start to the first generated token (prefill + one sample)."""
-        return self.token_times[0] - self.start if self.token_times else float("nan")
-
-    @property
-    def inter_token_latencies(self) -> np.ndarray:
-        """Seconds between consecutive generated tokens."""
-        return np.diff(np.array(self.token_times))
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        """Decode throughput: tokens after the first over the time they took."""
-        itl = self.inter_token_latencies
-        return len(itl) / itl.sum() if len(itl) and itl.sum() > 0 else float("nan")
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        return len(self.prompt_tokens) / self.ttft
-
-
-def generate(model: Model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: int = 64,
-             sampler: Sampler | None = None, pipeline: bool = False, stop_at_eos: bool = True,
-             on_text: Callable[[str], None] | None = None, compiled: bool = False) -> Generation:
-    """Generate up to max_tokens after the prompt; stream text pieces to on_text as they form.
-
-    A str prompt is encoded with BOS first; a list is taken as token ids. compiled: decode through
-    compiled_decoder.
-    """
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-    ids = tokenizer.encode(prompt, bos=True) if isinstance(prompt, str) else list(prompt)
-    context = model.args.max_position_embeddings
-    if len(ids) + max_tokens > context:
-        raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                         f"model's context length ({context})")
-    # the step after each yielded token is built before the yield, so token k needs len(ids)+k+1 slots
-    cache = model.make_cache(len(ids) + max_tokens)
-    out = Generation(prompt_tokens=ids, start=time.perf_counter())
-    steps = generate_step(model, ids, sampler or Sampler(), cache, pipeline, compiled)
-    for _, token in zip(range(max_tokens), steps):
-        out.token_times.append(time.perf_counter())
-        if stop_at_eos and token == tokenizer.eos_id:
-            out.token_times.pop()
-            break
-        out.tokens.append(token)
-        text = tokenizer.decode(out.tokens)
-        if not text.endswith("\ufffd"):  # hold back a character whose bytes are still incomplete
-            if on_text is not None:
-                on_text(text[len(out.text):])
-            out.text = text
-    final = tokenizer.decode(out.tokens)
-    if on_text is not None and final != out.text:
-        on_text(final[len(out.text):])
-    out.text = final
-    return out

@@ -40,6 +40,10 @@ class Cache(ABC):
     (`reserve`), and `trim`."""
 
     attends = "dense"   # or "fused": Attention calls `attend` instead of `update_and_fetch`
+    # what a position stores depends on that position alone, so writing L positions in one forward,
+    # trimming some and writing again leaves what one-at-a-time decoding would: speculative
+    # verification then sees plain decoding's cache (engine/compose.py refuses a cache without it)
+    rewinds_exactly = True
 
     def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_size: int, dtype: mx.Dtype = mx.float32):
         if min(batch, n_kv_heads, head_dim, max_size) < 1:

@@ -56,7 +56,8 @@ See chapter: kv-cache
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import mlx.core as mx
@@ -273,6 +274,10 @@ class KIVIKVCache(Cache):
     with a later block pick up a second rounding). `state` is unchanged by the trim but for its end.
     """
 
+    # when a block is quantized depends on the end of the forward that crossed it: a verification of
+    # γ+1 positions quantizes earlier than decoding them one by one, and a trim back re-rounds a block
+    rewinds_exactly = False
+
     def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_size: int,
                  dtype: mx.Dtype = mx.float32, bits: int = 4, group: int = 32, window: int = 32):
         super().__init__(batch, n_kv_heads, head_dim, max_size, dtype)
@@ -436,31 +441,59 @@ CACHES = {   # the quantized schemes
 }
 
 # the schemes whose attention can run on the codes (fused=True): mx.quantized_matmul reads affine codes only
-FUSED = tuple(name for name, make in CACHES.items() if make.func in (AffineKVCache, OutlierKVCache))
+FUSED_CLASSES = (AffineKVCache, OutlierKVCache)
+FUSED = tuple(name for name, make in CACHES.items() if make.func in FUSED_CLASSES)
 
-SCHEMES = {FLOAT: KVCache, **kvcache.CACHES, **CACHES}   # every scheme name make_caches takes
+SCHEMES = {FLOAT: KVCache, **kvcache.CACHES, **CACHES}   # every scheme name make_caches takes as it is
+
+# a quantized family with its sizes spelled out: bits, then -g<group> and (kivi) -w<window>
+FAMILIES = {"sym": SymmetricKVCache, "affine": AffineKVCache, "kivi": KIVIKVCache, "outlier": OutlierKVCache}
+SPELLED = re.compile(r"(sym|affine|kivi|outlier)(\d+)(?:-g(\d+))?(?:-w(\d+))?")
+
+
+def resolve(scheme: str) -> Callable[..., Cache]:
+    """The cache class of a scheme name, its sizes bound: a key of SCHEMES, or a quantized family
+    spelled out (`affine4` is 4-bit affine groups of the class's default 64 channels, `affine4-g128`
+    groups of 128, `kivi2-g64-w128` a 128-token float window, `sym4`). A ValueError names what is wrong."""
+    if scheme in SCHEMES:
+        return SCHEMES[scheme]
+    m = SPELLED.fullmatch(scheme)
+    if m is None:
+        raise ValueError(f"unknown KV-cache scheme {scheme!r}; have {', '.join(SCHEMES)}, or a family with its "
+                         f"sizes: sym<bits>, affine<bits>[-g<group>], outlier<bits>[-g<group>], "
+                         f"kivi<bits>[-g<group>][-w<window>]")
+    family, bits, group, window = m.groups()
+    if family == "sym" and group or family != "kivi" and window:
+        raise ValueError(f"{scheme!r}: {family} caches take no {'group' if group else 'window'} "
+                         f"(only kivi has a float window; sym scales whole tokens)")
+    params = {"bits": int(bits), **({"group": int(group)} if group else {}), **({"window": int(window)} if window else {})}
+    return partial(FAMILIES[family], **params)
+
+
+def cache_class(scheme: str) -> type[Cache]:
+    """The class of cache a scheme name builds (resolve's, unbound)."""
+    make = resolve(scheme)
+    return getattr(make, "func", make)
 
 
 def make_caches(scheme: str, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, max_size: int,
                 dtype: mx.Dtype = mx.float32, **params) -> list[Cache]:
-    """One cache of `scheme` (a key of SCHEMES: FLOAT or "static", "chunked", "concat", or a quantized
-    scheme of CACHES) per layer, each for up to max_size positions; params override the scheme's
-    bits/group/window/... (chunked: step). `fused=True` (the schemes in FUSED) makes attention run on
-    the packed codes; fused=False is accepted by every scheme.
+    """One cache of `scheme` (a name `resolve` takes: FLOAT or "static", "chunked", "concat", a quantized
+    scheme of CACHES or a family spelled out) per layer, each for up to max_size positions; params
+    override the scheme's bits/group/window/... (chunked: step). `fused=True` (affine and outlier
+    schemes) makes attention run on the packed codes; fused=False is accepted by every scheme.
 
     Example: `make_caches("kivi2", a.num_hidden_layers, 1, a.num_key_value_heads, a.head_dim, 512,
     window=64)`; `Model.make_cache(max_size, batch, scheme, **params)` fills in the model's shape.
     """
-    if scheme not in SCHEMES:
-        raise ValueError(f"unknown cache kind {scheme!r}; have {', '.join(SCHEMES)}")
-    make = SCHEMES[scheme]
+    make = resolve(scheme)
     fused = params.pop("fused", False)
     if make is KVCache and (fused or params):
         raise ValueError(f"the float cache takes no parameters; got {params or 'fused=True'}")
     if fused:
-        if scheme not in FUSED:
+        if cache_class(scheme) not in FUSED_CLASSES:
             raise ValueError(f"{scheme} has no fused attention path (mx.quantized_matmul reads affine codes "
-                             f"only); fused schemes: {', '.join(FUSED)}")
+                             f"only); fused schemes: {', '.join(FUSED)} and any affine or outlier family")
         params["fused"] = True
     return [make(batch, n_kv_heads, head_dim, max_size, dtype, **params) for _ in range(n_layers)]
 

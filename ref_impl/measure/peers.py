@@ -14,10 +14,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
@@ -25,10 +26,11 @@ from ref_impl.engine.model import Model
 from ref_impl.measure.records import record
 from ref_impl.platform.timing import TokenRun, token_runs
 
+Stream = Callable[[list[int], int], Iterator[int]]   # (prompt, n) -> greedy token ids, as they come
 
-def mlx_lm_peer(ours_model: Model, prompt: list[int], n: int, repeats: int) -> list[TokenRun]:
-    """mlx-lm's Llama on the same weights (our model's arrays, under mlx-lm's parameter names), greedy."""
-    from mlx_lm.generate import generate_step as mlx_lm_generate_step
+
+def mlx_lm_model(ours_model: Model) -> nn.Module:
+    """mlx-lm's Llama holding our model's arrays (under mlx-lm's parameter names, same dtype, no copy)."""
     from mlx_lm.models import llama
 
     a = ours_model.args
@@ -38,30 +40,56 @@ def mlx_lm_peer(ours_model: Model, prompt: list[int], n: int, repeats: int) -> l
         num_key_value_heads=a.num_key_value_heads, head_dim=a.head_dim, rms_norm_eps=a.rms_norm_eps,
         vocab_size=a.vocab_size, rope_theta=a.rope_theta, rope_traditional=True,
         max_position_embeddings=a.max_position_embeddings, tie_word_embeddings=a.tie_word_embeddings))
-    weights = [(("" if k.startswith("lm_head") else "model.") + k, v)
-               for k, v in tree_flatten(ours_model.parameters())]
-    model.load_weights(weights)
+    model.load_weights([(("" if k.startswith("lm_head") else "model.") + k, v)
+                        for k, v in tree_flatten(ours_model.parameters())])
     mx.eval(model.parameters())
+    return model
 
-    def stream():
-        gen = mlx_lm_generate_step(mx.array(prompt), model, max_tokens=n, sampler=lambda x: mx.argmax(x, axis=-1))
-        return (tok for tok, _ in gen)
-    return token_runs(stream, n, repeats)
+
+def mlx_lm_stream(ours_model: Model, kv_bits: int | None = None, draft: Model | None = None,
+                  gamma: int = 2) -> Stream:
+    """mlx-lm decoding our model's weights greedily: its own loop (generate_step); kv_bits: its quantized
+    KV cache (affine, groups of 64, from the first token); draft: its speculative loop with gamma drafts."""
+    from mlx_lm.generate import generate_step, speculative_generate_step
+
+    model = mlx_lm_model(ours_model)
+    greedy = {"sampler": lambda x: mx.argmax(x, axis=-1), "kv_bits": kv_bits, "quantized_kv_start": 0}
+    if draft is None:
+        return lambda prompt, n: (tok for tok, _ in generate_step(mx.array(prompt), model, max_tokens=n, **greedy))
+    small = mlx_lm_model(draft)
+    return lambda prompt, n: (tok for tok, *_ in speculative_generate_step(
+        mx.array(prompt), model, small, num_draft_tokens=gamma, max_tokens=n, **greedy))
+
+
+def mlx_lm_peer(ours_model: Model, prompt: list[int], n: int, repeats: int) -> list[TokenRun]:
+    """mlx-lm's Llama on the same weights (our model's arrays, under mlx-lm's parameter names), greedy."""
+    stream = mlx_lm_stream(ours_model)
+    return token_runs(lambda: stream(prompt, n), n, repeats)
+
+
+def llama_cpp_stream(path: Path, n_ctx: int, kv_type: str | None = None) -> Stream:
+    """llama.cpp on a GGUF file through llama-cpp-python, greedy, every layer offloaded where it was built
+    with a GPU backend; kv_type: its KV cache's GGML type for keys and values (e.g. "Q8_0"; default F16),
+    which needs its flash attention for quantized values."""
+    import llama_cpp
+
+    kv = {} if kv_type is None else {"type_k": getattr(llama_cpp, f"GGML_TYPE_{kv_type}"),
+                                     "type_v": getattr(llama_cpp, f"GGML_TYPE_{kv_type}"), "flash_attn": True}
+    # n_gpu_layers=-1 offloads every layer when llama.cpp was built with a GPU backend; a CPU build ignores it
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=os.cpu_count(), n_batch=n_ctx,
+                          n_gpu_layers=-1, verbose=False, **kv)
+
+    def stream(prompt: list[int], n: int) -> Iterator[int]:
+        llm.reset()
+        return llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, frequency_penalty=0.0,
+                            presence_penalty=0.0, reset=True)
+    return stream
 
 
 def llama_cpp_peer(path: Path, prompt: list[int], n: int, repeats: int) -> list[TokenRun]:
     """llama.cpp on the same GGUF file, through llama-cpp-python, greedy."""
-    import llama_cpp
-
-    # n_gpu_layers=-1 offloads every layer when llama.cpp was built with a GPU backend; a CPU build ignores it
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(prompt) + n + 8, n_threads=os.cpu_count(),
-                          n_batch=max(512, len(prompt)), n_gpu_layers=-1, verbose=False)
-
-    def stream():
-        llm.reset()
-        return llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, frequency_penalty=0.0,
-                            presence_penalty=0.0, reset=True)
-    return token_runs(stream, n, repeats)
+    stream = llama_cpp_stream(path, len(prompt) + n + 8)
+    return token_runs(lambda: stream(prompt, n), n, repeats)
 
 
 def llama_cpp_logits(path: Path, ids: Sequence[int]) -> np.ndarray:

@@ -18,7 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ref_impl.engine.random import args_for
-from ref_impl.measure import kv, latency, link, loads, spec, unified
+from ref_impl.measure import capstone, kv, latency, link, loads, spec, unified
 from ref_impl.measure.decode import bench_decode, bench_shape
 from ref_impl.measure.kernels import bench_kernels
 from ref_impl.measure.quant import bench_quant, bench_quant_groups
@@ -37,11 +37,24 @@ def _on_gpu() -> bool:
     return mx.default_device() == mx.gpu
 
 
-def run_spec(a: argparse.Namespace, work: Path, say: Say) -> list[dict]:
-    """bench --spec: the heads are --mtp-heads, else MODEL-mtp.gguf beside --model if it is there, else none."""
+def _heads(a: argparse.Namespace) -> Path | None:
+    """The MTP heads: --mtp-heads, else MODEL-mtp.gguf beside --model if it is there, else none."""
     heads = Path(a.mtp_heads or Path(a.model).with_name(Path(a.model).stem + "-mtp.gguf"))
-    return spec.bench_spec(Path(a.model), Path(a.draft), heads if a.mtp_heads or heads.is_file() else None,
-                           spec.SpecPlan.for_device(_on_gpu(), a.quick), progress=say)
+    return heads if a.mtp_heads or heads.is_file() else None
+
+
+def run_spec(a: argparse.Namespace, work: Path, say: Say) -> list[dict]:
+    return spec.bench_spec(Path(a.model), Path(a.draft), _heads(a), spec.SpecPlan.for_device(_on_gpu(), a.quick),
+                           progress=say)
+
+
+def run_capstone(a: argparse.Namespace, work: Path, say: Say) -> list[dict]:
+    """bench --capstone: the shipped model with --draft and its MTP heads (as --spec finds them), or --shape."""
+    heads = None if a.shape else _heads(a)
+    plan = capstone.CapstonePlan.for_device(_on_gpu(), a.quick, a.prompt_len, a.gen_tokens)
+    return capstone.bench_capstone(Path(a.model), None if a.shape else Path(a.draft), heads, work, plan, a.shape,
+                                   peers=not a.no_peers, llama_bench=Path(a.llama_bench) if a.llama_bench else None,
+                                   progress=say)
 
 
 def run_quant_groups(a: argparse.Namespace, work: Path, say: Say) -> list[dict]:
@@ -128,8 +141,16 @@ def show_dispatch(records: list[dict]) -> list[str]:
                                                 "first_over_steady")]
 
 
+def show_capstone(records: list[dict]) -> list[str]:
+    return [f"  {r['experiment']:<13} {r['variant'] or '':<40} {r['weights'] or '':<7} {r['kv'] or '':<12} "
+            f"{r['metric']:<17} {value_text(r):>10} {r['unit'] or ''} {r.get('note', '')}"
+            for r in records if r["metric"] in ("tokens_per_s", "greedy_agreement", "alpha", "heldout_perplexity",
+                                                "peak_memory", "peer_error")]
+
+
 # flag (an attribute of the parsed arguments) -> suite, in the order the flags are checked
 SUITES: dict[str, Suite] = {
+    "capstone": Suite(run_capstone, show_capstone),
     "dispatch": Suite(lambda a, work, say: latency.bench_dispatch(
         Path(a.model), a.shapes, latency.DispatchPlan.for_device(_on_gpu(), a.quick), progress=say), show_dispatch),
     "spec": Suite(run_spec, show_spec),

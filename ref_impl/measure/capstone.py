@@ -1,0 +1,356 @@
+"""The capstone's bench: the composed decoder's switches one at a time and together, beside mlx-lm and
+llama.cpp on the same weights, in one run.
+
+    python -m ref_impl bench --capstone --label cpu-2core
+    python -m ref_impl bench --capstone --shape Llama-3.1-8B --llama-bench PATH --label h200
+    python -m ref_impl bench --capstone --quick            (tiny sizes: checks that it runs)
+
+A *rung* is one configuration of `compose.generate`: the weights (the float file, or a Q4_K_M file held
+as MLX quantized matrices), our CUDA kernels patched in or not, and the loop's `Techniques`. The ladder
+adds one switch at a time, from plain float decoding (synchronous) to everything on; the single rungs
+turn one technique on over the pipelined float decoder, so each technique is seen alone and stacked.
+Every rung decodes the same held-out prompts (a warm-up generation, then each prompt once), greedy, and
+records tokens/s, TTFT, ITL p50/p99, peak memory, greedy agreement with the plain rung, acceptance when it
+speculates, the share of the measured bandwidth its speed implies, and the held-out perplexity of its
+weights and cache (speculation, pipelining and compiling leave the model's distribution as it is).
+
+The peers decode the same prompts on the same weights: mlx-lm (its own loop, its 8-bit KV cache, its
+speculative loop with our draft) and llama.cpp (the float and the Q4_K_M file, its Q8_0 KV cache; on a
+GPU, `llama-bench` on the shape's files). A long-context case repeats the cache rungs after a prompt of
+several thousand tokens, where the cache, not the weights, is most of what a step reads: the shipped
+model is trained on 512 positions, so there it is timed only (its text past 512 means nothing).
+
+With `--shape` the weights are random values of a public model's shape (speed does not depend on them):
+no draft or MTP heads exist for them and perplexity means nothing, so those rungs are left out.
+
+See chapter: capstone
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ref_impl import kernels
+from ref_impl.engine.checkpoint import load, load_model
+from ref_impl.engine.compose import Techniques, steps
+from ref_impl.engine.generate import Sampler
+from ref_impl.engine.kvquant import FLOAT
+from ref_impl.engine.model import Model
+from ref_impl.engine.mtp import MTPHeads, load_heads
+from ref_impl.engine.random import args_for, write_random_model
+from ref_impl.engine.tokenizer import Tokenizer
+from ref_impl.formats import gguf
+from ref_impl.formats.quantize import quantize_file
+from ref_impl.measure.decode import decode_bytes, memory_bandwidth
+from ref_impl.measure.kv import cache_perplexity
+from ref_impl.measure.peers import Stream, llama_bench_records, llama_cpp_stream, mlx_lm_stream
+from ref_impl.measure.records import dtype_name, record
+from ref_impl.measure.spec import heldout_prompts
+from ref_impl.platform.machine import package_version
+from ref_impl.platform.timing import TokenRun, decode_metrics, time_tokens
+from ref_impl.training.corpus import heldout_stream
+
+Say = Callable[[str], None]
+QUANTIZED = "Q4_K_M"     # the quantized weights of every rung that turns weights on
+
+
+@dataclass(frozen=True)
+class CapstonePlan:
+    """The sizes of one capstone run."""
+    prompts: int = 4                 # held-out prompts, each decoded once per rung after a warm-up
+    prompt_len: int = 128
+    gen_tokens: int = 128
+    gamma: int = 4                   # drafts per verification, draft model
+    mtp_gamma: int = 3               # drafts per verification, MTP heads
+    kv: str = "sym8"                 # the dequantized quantized-cache rung
+    fused_kv: str = "affine8-g64"    # the fused-attention cache rung: mlx-lm's own 8-bit cache format
+    long_context: int = 4096         # the long-context case's prompt (0: none)
+    long_tokens: int = 32
+    ppl_context: int = 256
+    ppl_windows: int = 8
+
+    @classmethod
+    def for_device(cls, gpu: bool, quick: bool = False, prompt_len: int = 128, gen_tokens: int = 128) -> CapstonePlan:
+        if quick:
+            return cls(prompts=2, prompt_len=16, gen_tokens=12, long_context=160, long_tokens=6, ppl_context=32,
+                       ppl_windows=2)
+        return cls(prompts=8 if gpu else 4, prompt_len=prompt_len, gen_tokens=gen_tokens,
+                   long_context=8192 if gpu else 4096)
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One configuration: its name, its place on the ladder (None: a single switch over the pipelined float
+    decoder), the weights ("float" or QUANTIZED), our kernels or not, and the loop's switches."""
+    name: str
+    ladder: int | None
+    weights: str
+    kernels: bool
+    techniques: Techniques
+
+
+def rungs(plan: CapstonePlan, gpu: bool, draft: bool, heads: bool) -> list[Rung]:
+    """The ladder and the single switches this run measures (kernels only on a GPU, speculation only with a
+    proposer), the plain rung first: every other rung's agreement is against its tokens."""
+    T, q, k = Techniques, QUANTIZED, gpu
+    fused = {"kv": plan.fused_kv, "fused": True}
+    ladder = [("plain", "float", False, T(pipeline=False)), ("+pipeline", "float", False, T()),
+              (f"+{q}", q, False, T())]
+    ladder += [("+kernels", q, True, T())] if k else []
+    ladder += [(f"+kv {plan.fused_kv} fused", q, k, T(**fused))]
+    ladder += [("+draft", q, k, T(**fused, speculate="draft", gamma=plan.gamma))] if draft else []
+    out = [Rung(name, i, w, kern, t) for i, (name, w, kern, t) in enumerate(ladder)]
+    singles = [("compile", "float", False, T(compiled=True)), (f"kv {plan.kv}", "float", False, T(kv=plan.kv)),
+               (f"kv {plan.fused_kv} fused", "float", False, T(**fused))]
+    singles += [("kernels", "float", True, T())] if k else []
+    singles += [("draft", "float", False, T(speculate="draft", gamma=plan.gamma))] if draft else []
+    singles += [("mtp", "float", False, T(speculate="mtp", gamma=plan.mtp_gamma))] if heads else []
+    singles += [("everything, mtp", q, k, T(**fused, speculate="mtp", gamma=plan.mtp_gamma))] if heads else []
+    return out + [Rung(name, None, w, kern, t) for name, w, kern, t in singles]
+
+
+def token_stream(model: Model, techniques: Techniques, proposer: Model | MTPHeads | None,
+                 log: list) -> Stream:
+    """compose's loop as a greedy token stream (prompt, n) -> ids; each step's drafts (proposed, accepted)
+    appended to log."""
+    def stream(prompt: list[int], n: int) -> Iterator[int]:
+        size = len(prompt) + n + (techniques.gamma if techniques.speculate else 0)
+        for step in steps(model, prompt, Sampler(), techniques, size, proposer):
+            log.append((step.proposed, step.accepted))
+            yield from step.tokens
+    return stream
+
+
+def timed(stream: Stream, prompts: Sequence[list[int]], n: int) -> tuple[list[TokenRun], int]:
+    """One warm-up generation, then each prompt once: the runs and MLX's peak memory over them (bytes)."""
+    time_tokens(stream(prompts[0], n), n)
+    mx.reset_peak_memory()
+    runs = [time_tokens(stream(p, n), n) for p in prompts]
+    return runs, mx.get_peak_memory()
+
+
+def run_records(experiment: str, runs: list[TokenRun], reference: list[TokenRun] | None, prompt_len: int,
+                fields: dict, peak: int | None = None, log: Sequence[tuple[int, int]] = (),
+                step_bytes: int | None = None, bandwidth: float | None = None) -> list[dict]:
+    """Records of one rung or peer: timing.decode_metrics over its runs, peak memory, greedy agreement with
+    the reference runs (the share of positions whose token matches, prompt by prompt), acceptance, and the
+    share of the bandwidth roof that tokens/s x step_bytes is (speculative rungs: an effective share, since
+    one weight read emits several tokens)."""
+    metrics = decode_metrics(runs, prompt_len)
+    units = {"tokens_per_s": "tok/s", "prefill_tokens_per_s": "tok/s"}
+    out = [record(experiment, m, units.get(m, "ms"), v, samples=s, **fields) for m, (v, s) in metrics.items()]
+    if peak is not None:
+        out.append(record(experiment, "peak_memory", "B", peak, **fields))
+    if reference is not None:
+        agree = [float(np.mean(np.array(r.ids) == np.array(ref.ids))) for r, ref in zip(runs, reference)]
+        out.append(record(experiment, "greedy_agreement", "fraction", np.mean(agree), samples=agree, **fields))
+    proposed, accepted = (sum(x) for x in zip(*log)) if log else (0, 0)
+    if proposed:
+        out.append(record(experiment, "alpha", "fraction", accepted / proposed, proposed=proposed, **fields))
+    if step_bytes and bandwidth:
+        out.append(record(experiment, "bandwidth_fraction", "fraction",
+                          metrics["tokens_per_s"][0] * step_bytes / 1e9 / bandwidth, bytes_per_token=step_bytes,
+                          **fields))
+    return out
+
+
+@dataclass
+class Weights:
+    """A run's two weight files, by rung weights ("float", QUANTIZED), with the GGML name of each, and the
+    models loaded from them (float: the default dtype; QUANTIZED: MLX quantized matrices), each loaded
+    (and patched with our kernels, for `rows` rows) once."""
+    name: str
+    files: dict[str, Path]
+    types: dict[str, str]
+    rows: tuple[int, ...] = (1,)
+    models: dict[tuple[str, bool], Model] = dataclasses.field(default_factory=dict)
+
+    def model(self, weights: str, patched: bool) -> Model:
+        key = (weights, patched)
+        if key not in self.models:
+            with gguf.read(self.files[weights]) as f:
+                model = load_model(f, None, quantized=weights != "float")
+            if patched:
+                kernels.patch(model, rows=self.rows, fuse=True)
+            self.models[key] = model
+        return self.models[key]
+
+
+def fields_of(rung: Rung, weights: Weights, model: Model, context: int) -> dict:
+    """A rung's record fields: what ran, switch by switch."""
+    t = rung.techniques
+    return {"model": weights.name, "weights": weights.types[rung.weights],
+            "kv": dtype_name(model.norm.weight.dtype) if t.kv == FLOAT else t.kv, "context": context,
+            "variant": rung.name, "ladder": rung.ladder, "native": rung.weights != "float", "kernels": rung.kernels,
+            "fused": t.fused, "speculate": t.speculate, "gamma": t.gamma if t.speculate else None,
+            "pipeline": t.pipeline, "compiled": t.compiled, "techniques": t.describe()}
+
+
+def ladder_records(plan: CapstonePlan, weights: Weights, prompts: list[list[int]], draft: Model | None,
+                   heads: MTPHeads | None, gpu: bool, roof: float, say: Say) -> tuple[list[dict], list[TokenRun]]:
+    """Every rung on the prompts, the plain rung first, then grouped by weights and kernels so each model is
+    loaded (and patched) once; and the plain rung's runs (the agreement reference)."""
+    order = rungs(plan, gpu, draft is not None, heads is not None)
+    reference, out = None, []
+    context = plan.prompt_len + plan.gen_tokens
+    for rung in sorted(order, key=lambda r: (r.ladder != 0, r.weights != "float", r.kernels)):
+        model = weights.model(rung.weights, rung.kernels)
+        proposer = {"draft": draft, "mtp": heads, None: None}[rung.techniques.speculate]
+        say(f"capstone: {rung.name} ({rung.techniques.describe()})")
+        log: list = []
+        runs, peak = timed(token_stream(model, rung.techniques, proposer, log), prompts, plan.gen_tokens)
+        reference = reference or runs
+        out += run_records("capstone", runs, reference, plan.prompt_len, fields_of(rung, weights, model, context),
+                           peak, log, decode_bytes(model, plan.prompt_len + plan.gen_tokens // 2), roof)
+    return out, reference
+
+
+def guarded(experiment: str, fields: dict, measure: Callable[[], list[dict]]) -> list[dict]:
+    """A peer's records, or one "peer_error" record keeping its message: a missing or failing peer must not
+    cost the rest of the run."""
+    try:
+        return measure()
+    except (ImportError, OSError, RuntimeError, ValueError, AttributeError) as e:
+        return [record(experiment, "peer_error", None, None, note=f"{type(e).__name__}: {e}", **fields)]
+
+
+def peer_streams(weights: Weights, draft: Model | None, gamma: int, n_ctx: int, gpu: bool,
+                 long: bool = False) -> list[tuple[str, str, str, Callable[[], Stream]]]:
+    """(label, weights, kv, stream builder) of each peer: mlx-lm on our float arrays (its loop, its 8-bit
+    cache, its speculative loop with our draft), llama.cpp through llama-cpp-python on the two files (its
+    F16 cache, its Q8_0 cache; not on a GPU, where llama-bench stands in). long: the caches only."""
+    base = weights.model("float", False)
+    mlx_lm = f"mlx-lm {package_version('mlx-lm')}"
+    llama = f"llama.cpp (llama-cpp-python {package_version('llama_cpp_python')})"
+    q = QUANTIZED
+    out = [(mlx_lm, "float", dtype_name(base.norm.weight.dtype), lambda: mlx_lm_stream(base)),
+           (mlx_lm, "float", "affine8-g64", lambda: mlx_lm_stream(base, kv_bits=8))]
+    if draft is not None and not long:
+        out.append((mlx_lm + " speculative", "float", dtype_name(base.norm.weight.dtype),
+                    lambda: mlx_lm_stream(base, draft=draft, gamma=gamma)))
+    if not gpu:
+        out += [(llama, w, kv, lambda w=w, kv=kv: llama_cpp_stream(weights.files[w], n_ctx, None if kv == "f16"
+                                                                   else kv))
+                for w, kv in ([("float", "f16"), ("float", "Q8_0")] if long else
+                              [("float", "f16"), (q, "f16"), (q, "Q8_0")])]
+    return out
+
+
+def peer_records(experiment: str, weights: Weights, prompts: list[list[int]], n: int, draft: Model | None,
+                 gamma: int, reference: list[TokenRun] | None, roof: float, say: Say, long: bool = False) -> list[dict]:
+    """Each peer of peer_streams on the prompts, timed as the rungs are, with its agreement and bandwidth share."""
+    gpu = mx.default_device() == mx.gpu
+    out = []
+    for label, w, kv, build in peer_streams(weights, draft, gamma, len(prompts[0]) + n + 8, gpu, long):
+        fields = {"model": weights.name, "weights": weights.types[w], "kv": kv, "context": len(prompts[0]) + n,
+                  "variant": label.split(" (")[0] + f" {weights.types[w]} kv {kv}", "peer": label}
+        say(f"{experiment}: {fields['variant']}")
+
+        def measure(build=build, fields=fields, w=w):
+            runs, peak = timed(build(), prompts, n)
+            step = decode_bytes(weights.model(w, False), len(prompts[0]) + n // 2)
+            return run_records(experiment, runs, reference, len(prompts[0]), fields, None, (), step, roof)
+        out += guarded(experiment, fields, measure)
+    return out
+
+
+def long_records(plan: CapstonePlan, weights: Weights, prompt: list[int], peers: bool, roof: float,
+                 say: Say) -> list[dict]:
+    """The cache rungs (float, plan.kv, plan.fused_kv fused, 4-bit affine fused) and the peers' caches after
+    a prompt of plan.long_context tokens, two timed runs each: speed and memory only."""
+    model = weights.model("float", False)
+    model.args = dataclasses.replace(model.args, max_position_embeddings=len(prompt) + plan.long_tokens + 8)
+    out = []
+    for name, t in (("float", Techniques()), (f"kv {plan.kv}", Techniques(kv=plan.kv)),
+                    (f"kv {plan.fused_kv} fused", Techniques(kv=plan.fused_kv, fused=True)),
+                    ("kv affine4-g64 fused", Techniques(kv="affine4-g64", fused=True))):
+        say(f"capstone-long: {name} after {len(prompt)} tokens")
+        rung = Rung(name, None, "float", False, t)
+        runs, peak = timed(token_stream(model, t, None, []), [prompt, prompt], plan.long_tokens)
+        out += run_records("capstone-long", runs, None, len(prompt), fields_of(rung, weights, model, len(prompt)),
+                           peak, (), decode_bytes(model, len(prompt)), roof)
+    if peers:
+        out += peer_records("capstone-long", weights, [prompt, prompt], plan.long_tokens, None, 0, None, roof, say,
+                            long=True)
+    return out
+
+
+def perplexity_records(plan: CapstonePlan, weights: Weights, tokenizer: Tokenizer, say: Say) -> list[dict]:
+    """Held-out perplexity per weights and cache of the rungs: the quality each costs (the loop's other
+    switches keep the model's distribution)."""
+    stream, fingerprint = heldout_stream(tokenizer)
+    out = []
+    for w in ("float", QUANTIZED):
+        model = weights.model(w, False)
+        for kv, fused in ((FLOAT, False), (plan.kv, False), (plan.fused_kv, True)):
+            say(f"capstone-ppl: {weights.types[w]} weights, kv {kv}")
+            ppl = cache_perplexity(model, stream, kv, plan.ppl_context, plan.ppl_windows, fused=fused)
+            out.append(record("capstone-ppl", "heldout_perplexity", "ppl", ppl, model=weights.name,
+                              weights=weights.types[w], kv=dtype_name(model.norm.weight.dtype) if kv == FLOAT else kv,
+                              context=plan.ppl_context, fused=fused, tokens=plan.ppl_context * plan.ppl_windows,
+                              corpus_sha256=fingerprint))
+    return out
+
+
+def bench_capstone(model_path: str | Path, draft_path: str | Path | None, heads_path: str | Path | None,
+                   work: Path, plan: CapstonePlan | None = None, shape: str | None = None, peers: bool = True,
+                   llama_bench: Path | None = None, seed: int = 0, progress: Say | None = None) -> list[dict]:
+    """Records "capstone" (every rung and peer on the prompts), "capstone-long" (the cache rungs and the
+    peers' caches after plan.long_context tokens), "capstone-ppl" (held-out perplexity per weights and
+    cache; not for a --shape) and "bandwidth" (the roof the shares divide by). A --shape run decodes random
+    prompts on random weights of that shape (F16 and Q4_K_M files written to work), with llama-bench as
+    llama.cpp's peer when given."""
+    gpu = mx.default_device() == mx.gpu
+    plan = plan or CapstonePlan.for_device(gpu)
+    say = progress or (lambda msg: None)
+    work.mkdir(parents=True, exist_ok=True)
+    rows = tuple(sorted({1, *(g + 1 for g in (plan.gamma, plan.mtp_gamma) if g + 1 <= kernels.MAX_ROWS)}))
+    bw = memory_bandwidth()
+    out = [record("bandwidth", "bandwidth", "GB/s", v, variant=kind) for kind, v in bw.items()]
+    roof = max(bw.values())
+    rng = np.random.default_rng(seed)
+    if shape:
+        args = args_for(shape, plan.long_context + plan.long_tokens + 8)
+        files = {w: write_random_model(work / f"{shape}-{t}.gguf", args, t, seed)
+                 for w, t in (("float", "F16"), (QUANTIZED, QUANTIZED))}
+        weights = Weights(shape, files, {"float": "F16", QUANTIZED: QUANTIZED}, rows)
+        tokenizer, draft, heads = None, None, None
+        prompts = [[1, *rng.integers(1, args.vocab_size, plan.prompt_len - 1).tolist()] for _ in range(plan.prompts)]
+        long_prompt = [1, *rng.integers(1, args.vocab_size, plan.long_context - 1).tolist()]
+    else:
+        model_path = Path(model_path)
+        q = work / f"{model_path.stem}-{QUANTIZED}.gguf"
+        quantize_file(model_path, q, QUANTIZED)
+        with gguf.read(model_path) as f:
+            tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
+            float_type = f.tensors["blk.0.attn_q.weight"].type.name
+        weights = Weights(model_path.stem, {"float": model_path, QUANTIZED: q},
+                          {"float": float_type, QUANTIZED: QUANTIZED}, rows)
+        draft = load(draft_path)[0] if draft_path else None
+        heads = load_heads(heads_path, weights.model("float", False)) if heads_path else None
+        prompts, _ = heldout_prompts(tokenizer, plan.prompts, plan.prompt_len)
+        long_prompt, _ = heldout_prompts(tokenizer, 1, plan.long_context) if plan.long_context else (None, None)
+        long_prompt = long_prompt[0] if long_prompt else None
+    records, reference = ladder_records(plan, weights, prompts, draft, heads, gpu, roof, say)
+    out += records
+    if peers:
+        out += peer_records("capstone", weights, prompts, plan.gen_tokens, draft, plan.gamma, reference, roof, say)
+        if llama_bench is not None:
+            for w, path in weights.files.items():
+                out += llama_bench_records(llama_bench, path, {"experiment": "capstone", "model": weights.name,
+                                                               "weights": weights.types[w]},
+                                           plan.prompt_len, plan.gen_tokens, 3)
+    if long_prompt:
+        out += long_records(plan, weights, long_prompt, peers, roof, say)
+    if tokenizer is not None:
+        out += perplexity_records(plan, weights, tokenizer, say)
+    del weights
+    gc.collect()
+    return out
