@@ -374,3 +374,17 @@ def test_the_cache_interface_is_abstract_and_a_dense_cache_will_not_attend():
     x = mx.zeros((1, 2, 1, 64))
     with pytest.raises(TypeError, match="KVCache attends 'dense': use update_and_fetch"):
         dense.attend(x, x, x, 1.0)
+
+
+def test_fused_caches_round_their_slots_and_probe_the_backend(monkeypatch):
+    """A fused cache allocates whole multiples of FUSED_SLOTS (MLX's CUDA kernel needs 16-byte rows) and, built on
+    a backend whose quantized matmul gets q.K^T wrong, refuses with the error it measured."""
+    c = kvquant.make_caches("affine8-g64", 1, 1, 2, 64, 260, fused=True)[0]
+    assert c.max_size == 288 and c.k_quant[0].shape[2] == 288 and kvquant.fused_slots(256) == 256
+    assert kvquant.make_caches("affine8-g64", 1, 1, 2, 64, 260)[0].max_size == 260    # dequantized: as asked
+    assert kvquant.quantized_matmul_error(str(mx.default_device()), "float32", 64, 8, 64) < 0.01
+    # the probe's verdict as MLX 0.32.4's CUDA kernel gave it for rows of 64
+    monkeypatch.setattr(kvquant, "quantized_matmul_error", lambda *probe: 2.3)
+    with pytest.raises(ValueError, match="fused attention is wrong on .*rows of 64 .* off the dequantized "
+                                         "product by 230%"):
+        kvquant.make_caches("affine8-g64", 1, 1, 2, 64, 8, fused=True)

@@ -29,7 +29,8 @@ the cache's `attends` field (kvcache.Cache) that `model.Attention` reads:
   `mx.quantized_matmul`s straight on the packed codes (q.K^T with transpose=True, softmax, p.V
   with transpose=False), as mlx-lm's `models/base.py: quantized_scaled_dot_product_attention`
   does. The outlier cache adds q.K^T of its float16 channels. No float history is made. The
-  matmuls read the whole pre-allocated buffers, max_size slots, with the unfilled ones masked, as
+  matmuls read the whole pre-allocated buffers, max_size slots (rounded up to a multiple of
+  32: `fused_slots`), with the unfilled ones masked, as
   gpt-fast attends over its static cache: the filled part alone, buffer[:, :, :offset], is a
   strided view, which MLX's CUDA quantized matmul has no kernel for (its CPU one copies it to
   rows), and a copy per step would move 3x the codes' bytes instead of 1x. So size a fused cache
@@ -56,6 +57,7 @@ See chapter: kv-cache
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -121,6 +123,45 @@ def check_affine(bits: int, group: int, width: int, what: str) -> None:
 
 
 # --- fused attention on affine codes ----------------------------------------------------------
+
+FUSED_SLOTS = 32   # a fused cache allocates its slots in multiples of this (fused_slots)
+
+
+def fused_slots(max_size: int) -> int:
+    """The slots a fused cache allocates for max_size positions: max_size rounded up to a multiple of
+    FUSED_SLOTS. The p.V product reduces over the slots, and MLX 0.32.4's CUDA quantized matmul hands its
+    input to the GPU's tensor-memory accelerator, which needs rows of a multiple of 16 bytes: at 260
+    float16 slots (520 bytes) it printed "Failed to initialize the TMA descriptor" thousands of times and
+    decoded garbage (one H200, results/h200-20261201-184545-capstone.log). The extra slots are masked as
+    every unfilled one is."""
+    return -(-max_size // FUSED_SLOTS) * FUSED_SLOTS
+
+
+@functools.lru_cache(maxsize=None)
+def quantized_matmul_error(device: str, dtype: str, width: int, bits: int, group: int) -> float:
+    """mx.quantized_matmul's q.K^T on `device` against the dequantized product, for rows of `width` values
+    in `bits`-bit groups of `group`, on a fixed random probe: the largest error relative to the product's
+    largest value (rounding gives ~1e-3 in float16). device and dtype by name, so a probe runs once each."""
+    rng = np.random.default_rng(0)
+    rows, keys = (mx.array(rng.standard_normal(shape).astype(np.float32)).astype(getattr(mx, dtype))
+                  for shape in ((1, 1, 4, width), (1, 1, 16, width)))
+    codes = mx.quantize(keys, group, bits)
+    fused = mx.quantized_matmul(rows, *codes, transpose=True, group_size=group, bits=bits)
+    dense = rows @ mx.dequantize(*codes, group_size=group, bits=bits).swapaxes(-1, -2)
+    return float(mx.abs(fused - dense).max() / mx.abs(dense).max())
+
+
+def check_fused(width: int, bits: int, group: int, dtype: mx.Dtype) -> None:
+    """A ValueError unless mx.quantized_matmul on this device gives q.K^T for rows of `width` as the dequantized
+    product does: MLX 0.32.4's CUDA kernel got rows of 64 wrong (errors ~20 where the product is ~10;
+    results/h200-20261201-190000-fused_diagnosis.log), so fused attention there would decode garbage."""
+    device = str(mx.default_device())
+    error = quantized_matmul_error(device, str(dtype).split(".")[-1], width, bits, group)
+    if error > 0.05:
+        raise ValueError(f"fused attention is wrong on {device}: mx.quantized_matmul's q.K^T for rows of {width} "
+                         f"({bits}-bit, groups of {group}) is off the dequantized product by {error:.0%} of its "
+                         f"largest value on a probe; use dequantized attention (no --kv-fused)")
+
 
 def _mask_rows(mask, B: int, H: int, L: int, n: int, T: int, n_kv: int) -> mx.array | None:
     """`mask` (over the n filled keys) for scores laid out as `quantized_attention`'s rows, over all T
@@ -224,7 +265,10 @@ class AffineKVCache(Cache):
         check_affine(bits, group, head_dim, "head_dim")
         self.bits, self.group = bits, group
         self.attends = "fused" if fused else "dense"
-        lead = (batch, n_kv_heads, max_size)
+        if fused:
+            check_fused(head_dim, bits, group, dtype)
+            self.max_size = fused_slots(max_size)
+        lead = (batch, n_kv_heads, self.max_size)
         self.k_quant = affine_buffers(lead, head_dim, bits, group, dtype)   # codes, scales, biases
         self.v_quant = affine_buffers(lead, head_dim, bits, group, dtype)
 
@@ -370,7 +414,10 @@ class OutlierKVCache(Cache):
         check_affine(bits, group, head_dim, "head_dim")
         self.bits, self.group, self.n_outliers = bits, group, n_outliers
         self.attends = "fused" if fused else "dense"
-        lead = (batch, n_kv_heads, max_size)
+        if fused:
+            check_fused(head_dim, bits, group, dtype)
+            self.max_size = fused_slots(max_size)
+        lead = (batch, n_kv_heads, self.max_size)
         self.k_quant = affine_buffers(lead, head_dim, bits, group, dtype)   # codes, scales, biases
         self.v_quant = affine_buffers(lead, head_dim, bits, group, dtype)
         self.k_outliers = mx.zeros(lead + (n_outliers,), dtype=mx.float16)
@@ -466,8 +513,8 @@ def resolve(scheme: str) -> Callable[..., Cache]:
     if family == "sym" and group or family != "kivi" and window:
         raise ValueError(f"{scheme!r}: {family} caches take no {'group' if group else 'window'} "
                          f"(only kivi has a float window; sym scales whole tokens)")
-    params = {"bits": int(bits), **({"group": int(group)} if group else {}), **({"window": int(window)} if window else {})}
-    return partial(FAMILIES[family], **params)
+    sizes = {"bits": bits, "group": group, "window": window}
+    return partial(FAMILIES[family], **{k: int(v) for k, v in sizes.items() if v})
 
 
 def cache_class(scheme: str) -> type[Cache]:

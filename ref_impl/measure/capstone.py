@@ -81,8 +81,7 @@ class CapstonePlan:
         if quick:
             return cls(prompts=2, prompt_len=16, gen_tokens=12, long_context=160, long_tokens=6, ppl_context=32,
                        ppl_windows=2)
-        return cls(prompts=8 if gpu else 4, prompt_len=prompt_len, gen_tokens=gen_tokens,
-                   long_context=8192 if gpu else 4096)
+        return cls(prompts=4, prompt_len=prompt_len, gen_tokens=gen_tokens, long_context=4096)
 
 
 @dataclass(frozen=True)
@@ -96,23 +95,26 @@ class Rung:
     techniques: Techniques
 
 
-def rungs(plan: CapstonePlan, gpu: bool, draft: bool, heads: bool) -> list[Rung]:
+def rungs(plan: CapstonePlan, gpu: bool, draft: bool, heads: bool, fused_runs: bool = True) -> list[Rung]:
     """The ladder and the single switches this run measures (kernels only on a GPU, speculation only with a
-    proposer), the plain rung first: every other rung's agreement is against its tokens."""
+    proposer), the plain rung first: every other rung's agreement is against its tokens. The ladder's cache is
+    plan.fused_kv with fused attention, or plan.kv dequantized where fused attention cannot run here
+    (fused_runs False; its single rung then records why)."""
     T, q, k = Techniques, QUANTIZED, gpu
     fused = {"kv": plan.fused_kv, "fused": True}
+    best = fused if fused_runs else {"kv": plan.kv}
     ladder = [("plain", "float", False, T(pipeline=False)), ("+pipeline", "float", False, T()),
               (f"+{q}", q, False, T())]
     ladder += [("+kernels", q, True, T())] if k else []
-    ladder += [(f"+kv {plan.fused_kv} fused", q, k, T(**fused))]
-    ladder += [("+draft", q, k, T(**fused, speculate="draft", gamma=plan.gamma))] if draft else []
+    ladder += [(f"+kv {plan.fused_kv} fused" if fused_runs else f"+kv {plan.kv}", q, k, T(**best))]
+    ladder += [("+draft", q, k, T(**best, speculate="draft", gamma=plan.gamma))] if draft else []
     out = [Rung(name, i, w, kern, t) for i, (name, w, kern, t) in enumerate(ladder)]
     singles = [("compile", "float", False, T(compiled=True)), (f"kv {plan.kv}", "float", False, T(kv=plan.kv)),
                (f"kv {plan.fused_kv} fused", "float", False, T(**fused))]
     singles += [("kernels", "float", True, T())] if k else []
     singles += [("draft", "float", False, T(speculate="draft", gamma=plan.gamma))] if draft else []
     singles += [("mtp", "float", False, T(speculate="mtp", gamma=plan.mtp_gamma))] if heads else []
-    singles += [("everything, mtp", q, k, T(**fused, speculate="mtp", gamma=plan.mtp_gamma))] if heads else []
+    singles += [("everything, mtp", q, k, T(**best, speculate="mtp", gamma=plan.mtp_gamma))] if heads else []
     return out + [Rung(name, None, w, kern, t) for name, w, kern, t in singles]
 
 
@@ -197,28 +199,44 @@ def ladder_records(plan: CapstonePlan, weights: Weights, prompts: list[list[int]
                    heads: MTPHeads | None, gpu: bool, roof: float, say: Say) -> tuple[list[dict], list[TokenRun]]:
     """Every rung on the prompts, the plain rung first, then grouped by weights and kernels so each model is
     loaded (and patched) once; and the plain rung's runs (the agreement reference)."""
-    order = rungs(plan, gpu, draft is not None, heads is not None)
+    try:   # fused attention refused here (kvquant.check_fused) leaves the ladder its dequantized cache
+        weights.model("float", False).make_cache(8, scheme=plan.fused_kv, fused=True)
+        fused_runs = True
+    except ValueError as e:
+        say(f"capstone: {e}")
+        fused_runs = False
+    order = rungs(plan, gpu, draft is not None, heads is not None, fused_runs)
     reference, out = None, []
     context = plan.prompt_len + plan.gen_tokens
     for rung in sorted(order, key=lambda r: (r.ladder != 0, r.weights != "float", r.kernels)):
         model = weights.model(rung.weights, rung.kernels)
         proposer = {"draft": draft, "mtp": heads, None: None}[rung.techniques.speculate]
         say(f"capstone: {rung.name} ({rung.techniques.describe()})")
-        log: list = []
-        runs, peak = timed(token_stream(model, rung.techniques, proposer, log), prompts, plan.gen_tokens)
-        reference = reference or runs
-        out += run_records("capstone", runs, reference, plan.prompt_len, fields_of(rung, weights, model, context),
-                           peak, log, decode_bytes(model, plan.prompt_len + plan.gen_tokens // 2), roof)
+        fields = fields_of(rung, weights, model, context)
+
+        def measure(model=model, rung=rung, proposer=proposer, fields=fields):
+            nonlocal reference
+            log: list = []
+            runs, peak = timed(token_stream(model, rung.techniques, proposer, log), prompts, plan.gen_tokens)
+            reference = reference or runs
+            return run_records("capstone", runs, reference, plan.prompt_len, fields, peak, log,
+                               decode_bytes(model, plan.prompt_len + plan.gen_tokens // 2), roof)
+        out += guarded("capstone", fields, measure, (ValueError,), "skipped")
     return out, reference
 
 
-def guarded(experiment: str, fields: dict, measure: Callable[[], list[dict]]) -> list[dict]:
-    """A peer's records, or one "peer_error" record keeping its message: a missing or failing peer must not
-    cost the rest of the run."""
+PEER_FAILURES = (ImportError, OSError, RuntimeError, ValueError, AttributeError)
+
+
+def guarded(experiment: str, fields: dict, measure: Callable[[], list[dict]], failures: tuple = PEER_FAILURES,
+            metric: str = "peer_error") -> list[dict]:
+    """measure()'s records, or one `metric` record keeping the message of what failed: a missing or failing
+    peer ("peer_error"), or a rung this device refuses (ValueError, "skipped": e.g. fused attention where
+    kvquant.check_fused finds MLX's quantized matmul wrong), must not cost the rest of the run."""
     try:
         return measure()
-    except (ImportError, OSError, RuntimeError, ValueError, AttributeError) as e:
-        return [record(experiment, "peer_error", None, None, note=f"{type(e).__name__}: {e}", **fields)]
+    except failures as e:
+        return [record(experiment, metric, None, None, note=f"{type(e).__name__}: {e}", **fields)]
 
 
 def peer_streams(weights: Weights, draft: Model | None, gamma: int, n_ctx: int, gpu: bool,
@@ -272,10 +290,13 @@ def long_records(plan: CapstonePlan, weights: Weights, prompt: list[int], peers:
                     (f"kv {plan.fused_kv} fused", Techniques(kv=plan.fused_kv, fused=True)),
                     ("kv affine4-g64 fused", Techniques(kv="affine4-g64", fused=True))):
         say(f"capstone-long: {name} after {len(prompt)} tokens")
-        rung = Rung(name, None, "float", False, t)
-        runs, peak = timed(token_stream(model, t, None, []), [prompt, prompt], plan.long_tokens)
-        out += run_records("capstone-long", runs, None, len(prompt), fields_of(rung, weights, model, len(prompt)),
-                           peak, (), decode_bytes(model, len(prompt)), roof)
+        fields = fields_of(Rung(name, None, "float", False, t), weights, model, len(prompt))
+
+        def measure(t=t, fields=fields):
+            runs, peak = timed(token_stream(model, t, None, []), [prompt, prompt], plan.long_tokens)
+            return run_records("capstone-long", runs, None, len(prompt), fields, peak, (),
+                               decode_bytes(model, len(prompt)), roof)
+        out += guarded("capstone-long", fields, measure, (ValueError,), "skipped")
     if peers:
         out += peer_records("capstone-long", weights, [prompt, prompt], plan.long_tokens, None, 0, None, roof, say,
                             long=True)
@@ -291,11 +312,14 @@ def perplexity_records(plan: CapstonePlan, weights: Weights, tokenizer: Tokenize
         model = weights.model(w, False)
         for kv, fused in ((FLOAT, False), (plan.kv, False), (plan.fused_kv, True)):
             say(f"capstone-ppl: {weights.types[w]} weights, kv {kv}")
-            ppl = cache_perplexity(model, stream, kv, plan.ppl_context, plan.ppl_windows, fused=fused)
-            out.append(record("capstone-ppl", "heldout_perplexity", "ppl", ppl, model=weights.name,
-                              weights=weights.types[w], kv=dtype_name(model.norm.weight.dtype) if kv == FLOAT else kv,
-                              context=plan.ppl_context, fused=fused, tokens=plan.ppl_context * plan.ppl_windows,
-                              corpus_sha256=fingerprint))
+            fields = {"model": weights.name, "weights": weights.types[w], "context": plan.ppl_context, "fused": fused,
+                      "kv": dtype_name(model.norm.weight.dtype) if kv == FLOAT else kv}
+
+            def measure(model=model, kv=kv, fused=fused, fields=fields):
+                ppl = cache_perplexity(model, stream, kv, plan.ppl_context, plan.ppl_windows, fused=fused)
+                return [record("capstone-ppl", "heldout_perplexity", "ppl", ppl, **fields,
+                               tokens=plan.ppl_context * plan.ppl_windows, corpus_sha256=fingerprint)]
+            out += guarded("capstone-ppl", fields, measure, (ValueError,), "skipped")
     return out
 
 
