@@ -179,7 +179,8 @@ def add_bench(sub) -> None:
                    help="custom CUDA GEMV kernels vs MLX's built-ins: GB/s per matrix of --shape (default "
                         "Llama-3.1-8B), decode tok/s per --weights type with and without them; needs CUDA")
     b.add_argument("--llama-bench", metavar="PATH",
-                   help="for --kernels: llama.cpp's llama-bench binary, run on the same GGUF files as the peer")
+                   help="for --kernels and --capstone: llama.cpp's llama-bench binary, run on the same GGUF files as "
+                        "the peer")
     b.add_argument("--unified", action="store_true",
                    help="numpy <-> MLX conversions (copy or share, time vs size) and first reads of fresh arrays")
     b.add_argument("--unified-max-bytes", type=int, default=256 << 20, help="largest array --unified times (bytes)")

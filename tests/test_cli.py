@@ -301,3 +301,26 @@ def test_bench_kv_quick_writes_every_kv_experiment(tmp):
     crossings = [rec for rec in by["kv-speed"] if rec["metric"] == "crossover_context"]
     assert len(crossings) == len({(rec["kv"], rec["variant"]) for rec in speed}) - 1
     assert "kv-speed" in r.stdout and "crossover_context" in r.stdout
+
+
+def test_bench_capstone_quick_writes_the_records_the_chapter_reads(tmp):
+    from ref_impl.measure import capstone
+
+    out = tmp / "capstone"
+    r = cli("bench", "--capstone", "--quick", "--out", out, "--label", "cli-capstone", timeout=900)
+    assert r.returncode == 0, r.stderr
+    name, machine, records = capstone.newest_runs("capstone", out)["cli-capstone"]
+    rows = capstone.table(records)
+    ours = {row["variant"]: row for row in rows if row["peer"] is None}
+    assert [v for v, row in ours.items() if row["ladder"] is not None][:3] == ["plain", "+pipeline", "+Q4_K_M"]
+    for row in ours.values():
+        assert row["tokens_per_s"] > 0 and row["peak_memory"] > 0 and row["itl_p99_ms"] >= row["itl_p50_ms"] >= 0
+        assert 0 < row["bandwidth_fraction"] and 0 <= row["greedy_agreement"] <= 1
+    assert ours["plain"]["greedy_agreement"] == ours["draft"]["greedy_agreement"] == 1.0   # speculation keeps tokens
+    assert 0 < ours["draft"]["alpha"] <= 1 and ours["mtp"]["speculate"] == "mtp"
+    assert {row["variant"].split()[0] for row in rows if row["peer"]} == {"mlx-lm", "llama.cpp"}
+    assert all(row.get("tokens_per_s", 0) > 0 for row in rows if row["peer"]), [r for r in rows if r.get("note")]
+    long = capstone.table(capstone.newest_runs("capstone-long", out)["cli-capstone"][2])
+    assert {row["kv"] for row in long if row["peer"] is None} == {"f32", "sym8", "affine8-g64", "affine4-g64"}
+    ppl = capstone.newest_runs("capstone-ppl", out)["cli-capstone"][2]
+    assert len(ppl) == 6 and all(r["value"] > 1 for r in ppl)

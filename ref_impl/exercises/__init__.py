@@ -14,6 +14,7 @@ Notebooks use `from ref_impl import exercises as ex` and call `ex.check_...`.
 See chapter: intro
 """
 
+from ref_impl.exercises.capstone import check_bandwidth_share, check_composes
 from ref_impl.exercises.core import RTOL, Result
 from ref_impl.exercises.dispatch import (
     async_gain_table,
@@ -61,4 +62,6 @@ __all__ = [
     "check_kv_bytes_per_token", "check_quantize_keys_per_channel", "check_outlier_channels",
     "check_expected_tokens", "check_optimal_gamma", "check_accept_one",
     "check_gemv_bytes", "check_gemv_time_us", "check_launch_choice",
+    # "Capstone: everything at once"
+    "check_bandwidth_share", "check_composes",
 ]

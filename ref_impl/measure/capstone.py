@@ -37,7 +37,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ref_impl import kernels
+from ref_impl import RESULTS_DIR, kernels
 from ref_impl.engine.checkpoint import load, load_model
 from ref_impl.engine.compose import Techniques, steps
 from ref_impl.engine.generate import Sampler
@@ -51,7 +51,7 @@ from ref_impl.formats.quantize import quantize_file
 from ref_impl.measure.decode import decode_bytes, memory_bandwidth
 from ref_impl.measure.kv import cache_perplexity
 from ref_impl.measure.peers import Stream, llama_bench_records, llama_cpp_stream, mlx_lm_stream
-from ref_impl.measure.records import dtype_name, record
+from ref_impl.measure.records import dtype_name, read_results, record
 from ref_impl.measure.spec import heldout_prompts
 from ref_impl.platform.machine import package_version
 from ref_impl.platform.timing import TokenRun, decode_metrics, time_tokens
@@ -75,12 +75,13 @@ class CapstonePlan:
     long_tokens: int = 32
     ppl_context: int = 256
     ppl_windows: int = 8
+    bandwidth_bytes: int = 1 << 30   # the array decode.memory_bandwidth copies and reads
 
     @classmethod
     def for_device(cls, gpu: bool, quick: bool = False, prompt_len: int = 128, gen_tokens: int = 128) -> CapstonePlan:
         if quick:
             return cls(prompts=2, prompt_len=16, gen_tokens=12, long_context=160, long_tokens=6, ppl_context=32,
-                       ppl_windows=2)
+                       ppl_windows=2, bandwidth_bytes=64 << 20)
         return cls(prompts=4, prompt_len=prompt_len, gen_tokens=gen_tokens, long_context=4096)
 
 
@@ -130,9 +131,12 @@ def token_stream(model: Model, techniques: Techniques, proposer: Model | MTPHead
     return stream
 
 
-def timed(stream: Stream, prompts: Sequence[list[int]], n: int) -> tuple[list[TokenRun], int]:
-    """One warm-up generation, then each prompt once: the runs and MLX's peak memory over them (bytes)."""
+def timed(stream: Stream, prompts: Sequence[list[int]], n: int, log: list | None = None) -> tuple[list[TokenRun], int]:
+    """One warm-up generation, then each prompt once: the runs and MLX's peak memory over them (bytes). log: the
+    stream's step log, emptied after the warm-up so it holds the timed runs' steps only."""
     time_tokens(stream(prompts[0], n), n)
+    if log is not None:
+        log.clear()
     mx.reset_peak_memory()
     runs = [time_tokens(stream(p, n), n) for p in prompts]
     return runs, mx.get_peak_memory()
@@ -217,7 +221,7 @@ def ladder_records(plan: CapstonePlan, weights: Weights, prompts: list[list[int]
         def measure(model=model, rung=rung, proposer=proposer, fields=fields):
             nonlocal reference
             log: list = []
-            runs, peak = timed(token_stream(model, rung.techniques, proposer, log), prompts, plan.gen_tokens)
+            runs, peak = timed(token_stream(model, rung.techniques, proposer, log), prompts, plan.gen_tokens, log)
             reference = reference or runs
             return run_records("capstone", runs, reference, plan.prompt_len, fields, peak, log,
                                decode_bytes(model, plan.prompt_len + plan.gen_tokens // 2), roof)
@@ -336,7 +340,7 @@ def bench_capstone(model_path: str | Path, draft_path: str | Path | None, heads_
     say = progress or (lambda msg: None)
     work.mkdir(parents=True, exist_ok=True)
     rows = tuple(sorted({1, *(g + 1 for g in (plan.gamma, plan.mtp_gamma) if g + 1 <= kernels.MAX_ROWS)}))
-    bw = memory_bandwidth()
+    bw = memory_bandwidth(plan.bandwidth_bytes)
     out = [record("bandwidth", "bandwidth", "GB/s", v, variant=kind) for kind, v in bw.items()]
     roof = max(bw.values())
     rng = np.random.default_rng(seed)
@@ -378,3 +382,33 @@ def bench_capstone(model_path: str | Path, draft_path: str | Path | None, heads_
     del weights
     gc.collect()
     return out
+
+
+# ---- reading a run back -------------------------------------------------------------------------------
+
+ROW_FIELDS = ("variant", "peer", "weights", "kv", "context", "ladder", "native", "kernels", "fused", "speculate",
+              "gamma", "pipeline", "compiled", "techniques")
+
+
+def newest_runs(experiment: str = "capstone", results_dir: Path = RESULTS_DIR
+                ) -> dict[str, tuple[str, dict, list[dict]]]:
+    """Per machine label: (file name, machine, records) of its newest results file holding `experiment` records."""
+    runs: dict[str, tuple[str, dict, list[dict]]] = {}
+    for name, machine, r in read_results(experiment, results_dir):   # files in name order: newest last
+        if runs.get(machine["label"], (None,))[0] != name:
+            runs[machine["label"]] = (name, machine, [])
+        runs[machine["label"]][2].append(r)
+    return runs
+
+
+def table(records: Sequence[dict]) -> list[dict]:
+    """One row per rung or peer of one run's records (one experiment): its fields (ROW_FIELDS) and each metric's
+    value by name; a refused rung or a failed peer keeps its note. Rungs in the order they were recorded."""
+    rows: dict[tuple, dict] = {}
+    for r in records:
+        row = rows.setdefault((r["variant"], r.get("peer"), r["weights"], r["kv"]),
+                              {k: r.get(k) for k in ROW_FIELDS})
+        row[r["metric"]] = r["value"]
+        if r["metric"] in ("skipped", "peer_error"):
+            row["note"] = r.get("note")
+    return list(rows.values())
