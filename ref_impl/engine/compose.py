@@ -108,11 +108,13 @@ def check_files(model: str | Path, draft: str | Path | None = None, heads: str |
     if draft is not None:
         with gguf.read(draft) as f:
             theirs = f.metadata.get("tokenizer.ggml.tokens")
-        if tokens is None or theirs is None or list(tokens) != list(theirs):
-            what = "has no vocabulary" if tokens is None or theirs is None else \
-                f"has another vocabulary ({len(theirs)} tokens, the model's {len(tokens)}" + \
-                (", same count, different tokens)" if len(theirs) == len(tokens) else ")")
-            raise ValueError(f"draft {draft} cannot propose tokens for {model}: one of them {what}")
+        if tokens is None or theirs is None:
+            raise ValueError(f"draft {draft} cannot propose tokens for {model}: "
+                             f"{draft if theirs is None else model} has no vocabulary")
+        if list(tokens) != list(theirs):
+            same = ", same count, different tokens" if len(theirs) == len(tokens) else ""
+            raise ValueError(f"draft {draft} cannot propose tokens for {model}: it has another vocabulary "
+                             f"({len(theirs)} tokens, the model's {len(tokens)}{same})")
     if heads is not None:
         with gguf.read(heads) as f:
             base, d = f.metadata.get("mtp.base_model"), f.metadata.get("mtp.embedding_length")
