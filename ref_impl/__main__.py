@@ -50,7 +50,7 @@ def cmd_generate(a: argparse.Namespace) -> None:
     techniques = Techniques(kv=a.kv, fused=a.kv_fused, speculate="draft" if a.draft else "mtp" if a.mtp else None,
                             gamma=a.gamma, pipeline=not a.sync, compiled=a.compile)
     if a.kernels == "on" and not kernels.on_cuda():
-        raise SystemExit(f"--kernels on: our GEMV kernels need MLX's CUDA backend; this is {mx.default_device()}")
+        raise ValueError(f"--kernels on: our GEMV kernels need MLX's CUDA backend; this is {mx.default_device()}")
     check_files(a.model, a.draft, a.mtp)
     # MLX's quantized matmuls pay off on a GPU; on the CPU its float32 BLAS path is faster (see k-quants)
     quantized = a.weights == "native" or (a.weights == "auto" and mx.default_device() != mx.cpu)
