@@ -80,8 +80,8 @@ class CapstonePlan:
     @classmethod
     def for_device(cls, gpu: bool, quick: bool = False, prompt_len: int = 128, gen_tokens: int = 128) -> CapstonePlan:
         if quick:
-            return cls(prompts=2, prompt_len=16, gen_tokens=12, long_context=160, long_tokens=6, ppl_context=32,
-                       ppl_windows=2, bandwidth_bytes=64 << 20)
+            return cls(prompts=2, prompt_len=16, gen_tokens=8, long_context=96, long_tokens=4, ppl_context=32,
+                       ppl_windows=1, bandwidth_bytes=64 << 20)
         return cls(prompts=4, prompt_len=prompt_len, gen_tokens=gen_tokens, long_context=4096)
 
 
