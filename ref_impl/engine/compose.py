@@ -88,6 +88,11 @@ class Techniques:
                              f"forward passes them), so --{self.speculate} would not emit plain decoding's "
                              f"tokens; use a per-token scheme (sym, affine, outlier)")
 
+    def cache_size(self, prompt_len: int, max_tokens: int) -> int:
+        """Positions the caches need: plain decoding builds the step after each token before yielding it
+        (token k needs prompt_len + k + 1); a last verification may write gamma positions past the tokens."""
+        return prompt_len + max_tokens + (self.gamma if self.speculate else 0)
+
     def describe(self) -> str:
         """What these switches run, in words: the cache, the speculation, the loop."""
         kv = "float" if cache_class(self.kv) is KVCache else self.kv
@@ -216,9 +221,7 @@ def generate(model: Model, tokenizer: Tokenizer, prompt: str | list[int], max_to
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     check(model, techniques, proposer)
     ids = tokenizer.encode(prompt, bos=True) if isinstance(prompt, str) else list(prompt)
-    # plain: the step after each yielded token is built before the yield, so token k needs len(ids)+k+1
-    # slots; speculative: the last verification may write γ+1 positions past the tokens, then trims
-    size = len(ids) + max_tokens + (techniques.gamma if techniques.speculate else 0)
+    size = techniques.cache_size(len(ids), max_tokens)
     models = [model] + ([proposer] if isinstance(proposer, Model) else [])
     context = min(m.args.max_position_embeddings for m in models)
     if size > context:

@@ -124,8 +124,7 @@ def token_stream(model: Model, techniques: Techniques, proposer: Model | MTPHead
     """compose's loop as a greedy token stream (prompt, n) -> ids; each step's drafts (proposed, accepted)
     appended to log."""
     def stream(prompt: list[int], n: int) -> Iterator[int]:
-        size = len(prompt) + n + (techniques.gamma if techniques.speculate else 0)
-        for step in steps(model, prompt, Sampler(), techniques, size, proposer):
+        for step in steps(model, prompt, Sampler(), techniques, techniques.cache_size(len(prompt), n), proposer):
             log.append((step.proposed, step.accepted))
             yield from step.tokens
     return stream
