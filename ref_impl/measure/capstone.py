@@ -78,11 +78,12 @@ class CapstonePlan:
     bandwidth_bytes: int = 1 << 30   # the array decode.memory_bandwidth copies and reads
 
     @classmethod
-    def for_device(cls, gpu: bool, quick: bool = False, prompt_len: int = 128, gen_tokens: int = 128) -> CapstonePlan:
+    def for_device(cls, gpu: bool, quick: bool = False, prompt_len: int = 128, gen_tokens: int = 128,
+                   long_context: int = 4096) -> CapstonePlan:
         if quick:
             return cls(prompts=2, prompt_len=16, gen_tokens=8, long_context=96, long_tokens=4, ppl_context=32,
                        ppl_windows=1, bandwidth_bytes=64 << 20)
-        return cls(prompts=4, prompt_len=prompt_len, gen_tokens=gen_tokens, long_context=4096)
+        return cls(prompts=4, prompt_len=prompt_len, gen_tokens=gen_tokens, long_context=long_context)
 
 
 @dataclass(frozen=True)
@@ -346,13 +347,13 @@ def bench_capstone(model_path: str | Path, draft_path: str | Path | None, heads_
     roof = max(bw.values())
     rng = np.random.default_rng(seed)
     if shape:
-        args = args_for(shape, plan.long_context + plan.long_tokens + 8)
+        args = args_for(shape, max(plan.long_context, plan.prompt_len + plan.gen_tokens) + plan.long_tokens + 8)
         files = {w: write_random_model(work / f"{shape}-{t}.gguf", args, t, seed)
                  for w, t in (("float", "F16"), (QUANTIZED, QUANTIZED))}
         weights = Weights(shape, files, {"float": "F16", QUANTIZED: QUANTIZED}, rows)
         tokenizer, draft, heads = None, None, None
         prompts = [[1, *rng.integers(1, args.vocab_size, plan.prompt_len - 1).tolist()] for _ in range(plan.prompts)]
-        long_prompt = [1, *rng.integers(1, args.vocab_size, plan.long_context - 1).tolist()]
+        long_prompt = [1, *rng.integers(1, args.vocab_size, plan.long_context - 1).tolist()] if plan.long_context else None
     else:
         model_path = Path(model_path)
         q = work / f"{model_path.stem}-{QUANTIZED}.gguf"
