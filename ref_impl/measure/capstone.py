@@ -76,14 +76,17 @@ class CapstonePlan:
     ppl_context: int = 256
     ppl_windows: int = 8
     bandwidth_bytes: int = 1 << 30   # the array decode.memory_bandwidth copies and reads
+    ladder: bool = True              # False: the long-context case only (its own run where a call's time is short)
 
     @classmethod
     def for_device(cls, gpu: bool, quick: bool = False, prompt_len: int = 128, gen_tokens: int = 128,
-                   long_context: int = 4096) -> CapstonePlan:
+                   long_context: int = 4096, ladder: bool = True) -> CapstonePlan:
+        if not ladder and long_context <= 0:
+            raise ValueError("--long-only needs a long-context case: --long-context must be positive")
         if quick:
             return cls(prompts=2, prompt_len=16, gen_tokens=8, long_context=96, long_tokens=4, ppl_context=32,
-                       ppl_windows=1, bandwidth_bytes=64 << 20)
-        return cls(prompts=4, prompt_len=prompt_len, gen_tokens=gen_tokens, long_context=long_context)
+                       ppl_windows=1, bandwidth_bytes=64 << 20, ladder=ladder)
+        return cls(prompts=4, prompt_len=prompt_len, gen_tokens=gen_tokens, long_context=long_context, ladder=ladder)
 
 
 @dataclass(frozen=True)
@@ -368,9 +371,10 @@ def bench_capstone(model_path: str | Path, draft_path: str | Path | None, heads_
         prompts, _ = heldout_prompts(tokenizer, plan.prompts, plan.prompt_len)
         long_prompt, _ = heldout_prompts(tokenizer, 1, plan.long_context) if plan.long_context else (None, None)
         long_prompt = long_prompt[0] if long_prompt else None
-    records, reference = ladder_records(plan, weights, prompts, draft, heads, gpu, roof, say)
-    out += records
-    if peers:
+    if plan.ladder:
+        records, reference = ladder_records(plan, weights, prompts, draft, heads, gpu, roof, say)
+        out += records
+    if plan.ladder and peers:
         out += peer_records("capstone", weights, prompts, plan.gen_tokens, draft, plan.gamma, reference, roof, say)
         if llama_bench is not None:
             for w, path in weights.files.items():
@@ -379,7 +383,7 @@ def bench_capstone(model_path: str | Path, draft_path: str | Path | None, heads_
                                            plan.prompt_len, plan.gen_tokens, 3)
     if long_prompt:
         out += long_records(plan, weights, long_prompt, peers, roof, say)
-    if tokenizer is not None:
+    if plan.ladder and tokenizer is not None:
         out += perplexity_records(plan, weights, tokenizer, say)
     del weights
     gc.collect()

@@ -52,7 +52,7 @@ def run_capstone(a: argparse.Namespace, work: Path, say: Say) -> list[dict]:
     """bench --capstone: the shipped model with --draft and its MTP heads (as --spec finds them), or --shape."""
     heads = None if a.shape else _heads(a)
     plan = capstone.CapstonePlan.for_device(_on_gpu(), a.quick, a.prompt_len, a.gen_tokens,
-                                             a.long_context)
+                                             a.long_context, not a.long_only)
     return capstone.bench_capstone(Path(a.model), None if a.shape else Path(a.draft), heads, work, plan, a.shape,
                                    peers=not a.no_peers, llama_bench=Path(a.llama_bench) if a.llama_bench else None,
                                    progress=say)
