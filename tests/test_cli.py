@@ -304,13 +304,30 @@ def test_bench_kv_quick_writes_every_kv_experiment(tmp):
     assert "kv-speed" in r.stdout and "crossover_context" in r.stdout
 
 
+def test_bench_capstone_long_only_without_a_long_context_is_refused(tmp):
+    r = cli("bench", "--capstone", "--long-only", "--long-context", "0", "--out", tmp / "refused")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--long-context" in r.stderr
+    assert not (tmp / "refused").exists()
+
+
+def test_bench_capstone_long_only_on_a_shape_records_the_long_case_alone(tmp):
+    out = tmp / "long-only"
+    r = cli("bench", "--capstone", "--quick", "--long-only", "--shape", "tiny", "--no-peers", "--out", out,
+            "--work-dir", tmp)
+    assert r.returncode == 0, r.stderr
+    (path,) = out.glob("*.json")
+    records = json.loads(path.read_text())["records"]
+    assert {rec["experiment"] for rec in records} == {"capstone-bandwidth", "capstone-long"}
+    assert {rec["kv"] for rec in records if rec["metric"] == "tokens_per_s"} >= {"f32", "sym8"}
+
+
 def test_bench_capstone_quick_writes_the_records_the_chapter_reads(tmp):
     from ref_impl.measure import capstone
 
     out = tmp / "capstone"
     r = cli("bench", "--capstone", "--quick", "--out", out, "--label", "cli-capstone", timeout=900)
     assert r.returncode == 0, r.stderr
-    name, machine, records = capstone.newest_runs("capstone", out)["cli-capstone"]
+    name, machine, records = capstone.newest_runs("capstone", results_dir=out)["cli-capstone"]
     rows = capstone.table(records)
     ours = {row["variant"]: row for row in rows if row["peer"] is None}
     assert [v for v, row in ours.items() if row["ladder"] is not None][:3] == ["plain", "+pipeline", "+Q4_K_M"]
@@ -321,7 +338,7 @@ def test_bench_capstone_quick_writes_the_records_the_chapter_reads(tmp):
     assert 0 < ours["draft"]["alpha"] <= 1 and ours["mtp"]["speculate"] == "mtp"
     assert {row["variant"].split()[0] for row in rows if row["peer"]} == {"mlx-lm", "llama.cpp"}
     assert all(row.get("tokens_per_s", 0) > 0 for row in rows if row["peer"]), [r for r in rows if r.get("note")]
-    long = capstone.table(capstone.newest_runs("capstone-long", out)["cli-capstone"][2])
+    long = capstone.table(capstone.newest_runs("capstone-long", results_dir=out)["cli-capstone"][2])
     assert {row["kv"] for row in long if row["peer"] is None} == {"f32", "sym8", "affine8-g64", "affine4-g64"}
-    ppl = capstone.newest_runs("capstone-ppl", out)["cli-capstone"][2]
+    ppl = capstone.newest_runs("capstone-ppl", results_dir=out)["cli-capstone"][2]
     assert len(ppl) == 6 and all(r["value"] > 1 for r in ppl)

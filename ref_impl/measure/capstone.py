@@ -51,7 +51,7 @@ from ref_impl.formats.quantize import quantize_file
 from ref_impl.measure.decode import decode_bytes, memory_bandwidth
 from ref_impl.measure.kv import cache_perplexity
 from ref_impl.measure.peers import Stream, llama_bench_records, llama_cpp_stream, mlx_lm_stream
-from ref_impl.measure.records import dtype_name, read_results, record
+from ref_impl.measure.records import dtype_name, read_results, record, select
 from ref_impl.measure.spec import heldout_prompts
 from ref_impl.platform.machine import package_version
 from ref_impl.platform.timing import TokenRun, decode_metrics, time_tokens
@@ -396,11 +396,13 @@ ROW_FIELDS = ("variant", "peer", "weights", "kv", "context", "ladder", "native",
               "gamma", "pipeline", "compiled", "techniques")
 
 
-def newest_runs(experiment: str = "capstone", results_dir: Path = RESULTS_DIR
+def newest_runs(experiment: str = "capstone", model: str | None = None, results_dir: Path = RESULTS_DIR
                 ) -> dict[str, tuple[str, dict, list[dict]]]:
-    """Per machine label: (file name, machine, records) of its newest results file holding `experiment` records."""
+    """Per machine label: (file name, machine, records) of its newest results file holding `experiment` records
+    (of `model` only, when given: one machine's shipped-model run and its --shape run are separate runs)."""
     runs: dict[str, tuple[str, dict, list[dict]]] = {}
-    for name, machine, r in read_results(experiment, results_dir):   # files in name order: newest last
+    rows = select(experiment, results_dir, model=model) if model else read_results(experiment, results_dir)
+    for name, machine, r in rows:   # files in name order: newest last
         if runs.get(machine["label"], (None,))[0] != name:
             runs[machine["label"]] = (name, machine, [])
         runs[machine["label"]][2].append(r)

@@ -1,0 +1,27 @@
+"""bench --capstone's reading side: which run the chapter's tables come from."""
+
+import json
+
+from ref_impl.measure import capstone
+from ref_impl.measure.records import record
+
+
+def _results(path, label, records):
+    path.write_text(json.dumps({"schema": 1, "date": "", "git": "", "command": "",
+                                "machine": {"label": label}, "records": records}))
+
+
+def test_newest_runs_keeps_a_machines_shipped_model_and_shape_runs_apart(tmp_path):
+    def rung(model, tps):
+        return record("capstone", "tokens_per_s", "tok/s", tps, model=model, variant="plain", weights="F32", kv="f32")
+
+    _results(tmp_path / "gpu-20261201-100000.json", "gpu", [rung("stdlib-10m", 700.0)])
+    _results(tmp_path / "gpu-20261201-110000.json", "gpu", [rung("Llama-3.1-8B", 150.0)])
+    _results(tmp_path / "cpu-20261201-090000.json", "cpu", [rung("stdlib-10m", 60.0)])
+    newest = capstone.newest_runs(results_dir=tmp_path)
+    assert {k: v[0] for k, v in newest.items()} == {"gpu": "gpu-20261201-110000.json",
+                                                    "cpu": "cpu-20261201-090000.json"}
+    shipped = capstone.newest_runs(model="stdlib-10m", results_dir=tmp_path)
+    assert shipped["gpu"][0] == "gpu-20261201-100000.json" and shipped["gpu"][2][0]["value"] == 700.0
+    assert set(capstone.newest_runs(model="Llama-3.1-8B", results_dir=tmp_path)) == {"gpu"}
+    assert capstone.newest_runs(model="Qwen3-8B", results_dir=tmp_path) == {}
