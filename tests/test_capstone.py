@@ -25,3 +25,23 @@ def test_newest_runs_keeps_a_machines_shipped_model_and_shape_runs_apart(tmp_pat
     assert shipped["gpu"][0] == "gpu-20261201-100000.json" and shipped["gpu"][2][0]["value"] == 700.0
     assert set(capstone.newest_runs(model="Llama-3.1-8B", results_dir=tmp_path)) == {"gpu"}
     assert capstone.newest_runs(model="Qwen3-8B", results_dir=tmp_path) == {}
+
+
+def test_weights_keeps_one_model_resident_so_a_rungs_peak_is_its_own(tmp_path):
+    import mlx.core as mx
+
+    from ref_impl.engine.random import args_for, write_random_model
+
+    args = args_for("tiny", 64)
+    files = {w: write_random_model(tmp_path / f"{t}.gguf", args, t) for w, t in (("float", "F16"),
+                                                                                 (capstone.QUANTIZED, "Q4_K_M"))}
+    weights = capstone.Weights("tiny", files, {"float": "F16", capstone.QUANTIZED: "Q4_K_M"})
+    float_model = weights.model("float", False)
+    assert weights.model("float", False) is float_model              # loaded once while it is the one in use
+    del float_model
+    mx.eval(weights.model(capstone.QUANTIZED, False).parameters())
+    alone = mx.get_active_memory()
+    assert list(weights.models) == [(capstone.QUANTIZED, False)]
+    assert weights.model("float", False) is not None and list(weights.models) == [("float", False)]
+    weights.model(capstone.QUANTIZED, False)
+    assert mx.get_active_memory() <= alone * 1.05                    # the float model's arrays were freed

@@ -155,8 +155,8 @@ def run_records(experiment: str, runs: list[TokenRun], reference: list[TokenRun]
     metrics = decode_metrics(runs, prompt_len)
     units = {"tokens_per_s": "tok/s", "prefill_tokens_per_s": "tok/s"}
     out = [record(experiment, m, units.get(m, "ms"), v, samples=s, **fields) for m, (v, s) in metrics.items()]
-    if peak is not None:
-        out.append(record(experiment, "peak_memory", "B", peak, **fields))
+    if peak is not None:   # resident: what the peak covers (the rung's own model, since Weights keeps one loaded)
+        out.append(record(experiment, "peak_memory", "B", peak, resident="rung", **fields))
     if reference is not None:
         agree = [float(np.mean(np.array(r.ids) == np.array(ref.ids))) for r, ref in zip(runs, reference)]
         out.append(record(experiment, "greedy_agreement", "fraction", np.mean(agree), samples=agree, **fields))
@@ -173,8 +173,9 @@ def run_records(experiment: str, runs: list[TokenRun], reference: list[TokenRun]
 @dataclass
 class Weights:
     """A run's two weight files, by rung weights ("float", QUANTIZED), with the GGML name of each, and the
-    models loaded from them (float: the default dtype; QUANTIZED: MLX quantized matrices), each loaded
-    (and patched with our kernels, for `rows` rows) once."""
+    model loaded from one of them (float: the default dtype; QUANTIZED: MLX quantized matrices; patched with
+    our kernels, for `rows` rows, or not). One model is resident at a time, so a rung's peak memory is its own
+    model's and its decoding's, not that of every model the run loaded before it."""
     name: str
     files: dict[str, Path]
     types: dict[str, str]
@@ -184,6 +185,9 @@ class Weights:
     def model(self, weights: str, patched: bool) -> Model:
         key = (weights, patched)
         if key not in self.models:
+            self.models.clear()
+            gc.collect()
+            mx.clear_cache()
             with gguf.read(self.files[weights]) as f:
                 model = load_model(f, None, quantized=weights != "float")
             if patched:
