@@ -212,8 +212,8 @@ def add_bench(sub) -> None:
     b.add_argument("--mtp-heads", help="MTP heads for --spec and --capstone (default: MODEL-mtp.gguf beside --model, "
                                        "if present)")
     b.add_argument("--quick", action="store_true",
-                   help="--dispatch, --spec, --kv or --capstone with tiny sizes: checks it runs, in seconds; --kernels: "
-                        "decode only, default launches (no per-matrix sweep or timing)")
+                   help="--dispatch, --spec, --kv or --capstone with tiny sizes: checks it runs, in seconds; "
+                        "--kernels: decode only, default launches (no per-matrix sweep or timing)")
     b.add_argument("--work-dir", help="where --quant and --shape write their temporary GGUF files")
     b.add_argument("--label", help="machine label for the file name (default: host-backend)")
     b.add_argument("--out", default="results")

@@ -45,3 +45,13 @@ def test_weights_keeps_one_model_resident_so_a_rungs_peak_is_its_own(tmp_path):
     assert weights.model("float", False) is not None and list(weights.models) == [("float", False)]
     weights.model(capstone.QUANTIZED, False)
     assert mx.get_active_memory() <= alone * 1.05                    # the float model's arrays were freed
+
+
+def test_table_says_what_each_peak_covers():
+    fields = dict(model="m", weights="F32", kv="f32")
+    old = [record("capstone", "peak_memory", "B", 9e6, variant="a", **fields)]
+    new = [record("capstone", "peak_memory", "B", 3e6, variant="b", resident="rung", **fields),
+           record("capstone", "tokens_per_s", "tok/s", 50.0, variant="b", **fields)]
+    (a,), (b,) = capstone.table(old), capstone.table(new)
+    assert (a["peak_memory"], a["peak_scope"]) == (9e6, "run")
+    assert (b["peak_memory"], b["peak_scope"], b["tokens_per_s"]) == (3e6, "rung", 50.0)

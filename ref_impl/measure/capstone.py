@@ -360,7 +360,8 @@ def bench_capstone(model_path: str | Path, draft_path: str | Path | None, heads_
         weights = Weights(shape, files, {"float": "F16", QUANTIZED: QUANTIZED}, rows)
         tokenizer, draft, heads = None, None, None
         prompts = [[1, *rng.integers(1, args.vocab_size, plan.prompt_len - 1).tolist()] for _ in range(plan.prompts)]
-        long_prompt = [1, *rng.integers(1, args.vocab_size, plan.long_context - 1).tolist()] if plan.long_context else None
+        long_prompt = ([1, *rng.integers(1, args.vocab_size, plan.long_context - 1).tolist()]
+                       if plan.long_context else None)
     else:
         model_path = Path(model_path)
         q = work / f"{model_path.stem}-{QUANTIZED}.gguf"
@@ -415,12 +416,16 @@ def newest_runs(experiment: str = "capstone", model: str | None = None, results_
 
 def table(records: Sequence[dict]) -> list[dict]:
     """One row per rung or peer of one run's records (one experiment): its fields (ROW_FIELDS) and each metric's
-    value by name; a refused rung or a failed peer keeps its note. Rungs in the order they were recorded."""
+    value by name; a refused rung or a failed peer keeps its note. Rungs in the order they were recorded.
+    peak_scope says what a peak_memory covers: "rung" (its own model) or "run" (recorded before the bench kept
+    one model resident: every model loaded before the rung too)."""
     rows: dict[tuple, dict] = {}
     for r in records:
         row = rows.setdefault((r["variant"], r.get("peer"), r["weights"], r["kv"]),
                               {k: r.get(k) for k in ROW_FIELDS})
         row[r["metric"]] = r["value"]
+        if r["metric"] == "peak_memory":
+            row["peak_scope"] = r.get("resident", "run")
         if r["metric"] in ("skipped", "peer_error"):
             row["note"] = r.get("note")
     return list(rows.values())
