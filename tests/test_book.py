@@ -180,8 +180,21 @@ def built_book() -> Path:
     run = subprocess.run([str(jb), "build", str(ROOT), "--warningiserror", "--keep-going"],
                          cwd=ROOT, capture_output=True, text=True, timeout=3600)
     if run.returncode:
-        pytest.fail(f"jupyter-book build failed (rc {run.returncode}):\n{(run.stdout + run.stderr)[-6000:]}")
+        failed = "".join(f"\n--- {log.name}\n{log.read_text()[-3000:]}" for log in (HTML / "reports").rglob("*.log"))
+        pytest.fail(f"jupyter-book build failed (rc {run.returncode}):\n{(run.stdout + run.stderr)[-6000:]}{failed}")
     return HTML
+
+
+@pytest.mark.parametrize("path", notebooks(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_notebook_runs_top_to_bottom_in_the_build(built_book, path):
+    """The build executes every notebook once (allow_errors false: a failing cell or assert fails the build);
+    each must have come out of it executed, every code cell run, no error output."""
+    executed = ROOT / "_build" / "jupyter_execute" / path.relative_to(ROOT)
+    assert executed.is_file(), f"{path.relative_to(ROOT)} was not executed by the book's build"
+    code = [c for c in json.loads(executed.read_text())["cells"] if c["cell_type"] == "code"]
+    assert code and all(c.get("execution_count") for c in code if "".join(c["source"]).strip())
+    errors = [o["ename"] for c in code for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors, f"{path.relative_to(ROOT)}: {errors}"
 
 
 @pytest.fixture(scope="module")
