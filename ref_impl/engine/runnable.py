@@ -52,7 +52,7 @@ def why_not(f: gguf.GGUFFile) -> str | None:
     dtype = default_dtype()
     need, have = args.num_parameters * dtype.size, memory_bytes()
     if mx.default_device() == mx.cpu and need > have:
-        return (f"its {args.num_parameters / 1e9:.1f}B weights take {need / 1e9:.1f} GB as "
+        return (f"its {args.num_parameters / 1e6:,.1f}M weights take {need / 1e9:,.2f} GB as "
                 f"{str(dtype).split('.')[-1]} (how generate holds them on the CPU), more than this machine's "
-                f"{have / 1e9:.1f} GB of memory")
+                f"{have / 1e9:,.2f} GB of memory")
     return None
