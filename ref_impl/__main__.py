@@ -1,6 +1,7 @@
 """Command line: python -m ref_impl generate|inspect|quantize|train|bench.
 
     python -m ref_impl generate --model models/stdlib-10m.gguf --prompt "def "
+    python -m ref_impl generate --model ~/.ollama/models/blobs/sha256-... --chat --system "Be brief." --prompt "Hi"
     python -m ref_impl inspect models/stdlib-10m.gguf
     python -m ref_impl quantize models/stdlib-10m.gguf /tmp/stdlib-10m-Q4_K_M.gguf --type Q4_K_M
     python -m ref_impl train --preset stdlib-10m --out models/
@@ -38,6 +39,7 @@ def cmd_generate(a: argparse.Namespace) -> None:
     import mlx.core as mx
 
     from ref_impl import kernels
+    from ref_impl.engine import chat
     from ref_impl.engine.checkpoint import load
     from ref_impl.engine.compose import Techniques, check_files, generate
     from ref_impl.engine.generate import Sampler
@@ -47,11 +49,17 @@ def cmd_generate(a: argparse.Namespace) -> None:
     sampler = Sampler(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
     if a.draft and a.mtp:
         raise ValueError("--draft and --mtp are two proposers for one verification: choose one")
+    if a.system is not None and not a.chat:
+        raise ValueError("--system sets the system message of a chat: add --chat (the file's chat template "
+                         "then lays out the system message and the --prompt)")
     techniques = Techniques(kv=a.kv, fused=a.kv_fused, speculate="draft" if a.draft else "mtp" if a.mtp else None,
                             gamma=a.gamma, pipeline=not a.sync, compiled=a.compile)
     if a.kernels == "on" and not kernels.on_cuda():
         raise ValueError(f"--kernels on: our GEMV kernels need MLX's CUDA backend; this is {mx.default_device()}")
     check_files(a.model, a.draft, a.mtp)
+    if a.chat:  # the template renders before any weight is read: a file without one is refused here
+        with gguf.read(a.model) as f:
+            text = chat.chat_prompt(f.metadata, a.model, a.prompt, a.system)
     # MLX's quantized matmuls pay off on a GPU; on the CPU its float32 BLAS path is faster (see k-quants)
     quantized = a.weights == "native" or (a.weights == "auto" and mx.default_device() != mx.cpu)
     dtype = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16, None: None}[a.dtype]
@@ -63,8 +71,10 @@ def cmd_generate(a: argparse.Namespace) -> None:
         # a verification's gamma+1 rows too when speculating
         rows = (1, a.gamma + 1) if techniques.speculate and a.gamma + 1 <= kernels.MAX_ROWS else (1,)
         print(kernels.summary(kernels.patch(model, rows=rows, fuse=True)), file=sys.stderr)
-    sys.stdout.write(a.prompt)
-    g = generate(model, tokenizer, a.prompt, a.max_tokens, sampler, techniques, proposer,
+    if not a.chat:  # a continuation is shown after its prompt; a chat shows the reply alone
+        sys.stdout.write(a.prompt)
+    prompt = chat.encode(tokenizer, text) if a.chat else a.prompt
+    g = generate(model, tokenizer, prompt, a.max_tokens, sampler, techniques, proposer,
                  on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     print(flush=True)
     with gguf.read(a.model) as f:   # the matrices' types, most common first
@@ -75,6 +85,9 @@ def cmd_generate(a: argparse.Namespace) -> None:
 
 
 def cmd_inspect(a: argparse.Namespace) -> None:
+    from ref_impl.engine.chat import TEMPLATE_KEY
+    from ref_impl.engine.runnable import why_not
+
     with gguf.read(a.path) as f:
         print(f"GGUF v{f.version}: {len(f.metadata)} metadata keys, {len(f.tensors)} tensors, "
               f"alignment {f.alignment}, data at offset {f.data_offset}")
@@ -103,6 +116,9 @@ def cmd_inspect(a: argparse.Namespace) -> None:
             w = [max(len(r[i]) for r in rows) for i in range(4)]
             for r in rows:
                 print(f"  {r[0]:<{w[0]}}  {r[1]:<{w[1]}}  {r[2]:<{w[2]}}  {r[3]:>{w[3]}} bits  {r[4]}")
+        print(f"\n  chat template: {'yes (generate --chat)' if f.metadata.get(TEMPLATE_KEY) else 'none'}")
+        reason = why_not(f)
+        print(f"  runs here: {'yes' if reason is None else 'no: ' + ' '.join(reason.split())}")
 
 
 def cmd_quantize(a: argparse.Namespace) -> None:
@@ -225,8 +241,12 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="continue a prompt with a GGUF model")
-    g.add_argument("--model", required=True, help="a llama-architecture GGUF file")
-    g.add_argument("--prompt", required=True)
+    g.add_argument("--model", required=True,
+                   help="a llama-architecture GGUF file, whatever its name (an Ollama blob has no extension)")
+    g.add_argument("--prompt", required=True, help="the text to continue; with --chat, the user's message")
+    g.add_argument("--chat", action="store_true",
+                   help="lay the prompt out with the file's chat template (tokenizer.chat_template) and reply")
+    g.add_argument("--system", metavar="TEXT", help="with --chat: the system message")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temp", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0)
@@ -256,7 +276,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--gamma", type=int, default=4, help="drafts proposed per verification (--draft or --mtp)")
     g.set_defaults(run=cmd_generate)
 
-    i = sub.add_parser("inspect", help="print a GGUF file's metadata and tensor table")
+    i = sub.add_parser("inspect", help="print a GGUF file's metadata and tensor table, and whether it runs here")
     i.add_argument("path")
     i.add_argument("--mlx", action="store_true", help="also show how each tensor is held in MLX")
     i.set_defaults(run=cmd_inspect)

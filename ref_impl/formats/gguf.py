@@ -41,6 +41,7 @@ import numpy as np
 
 from ref_impl.formats.ggml import ELEMENT_DTYPE, GGMLType, tensor_nbytes
 from ref_impl.formats.kquants import DEQUANTIZE
+from ref_impl.formats.sniff import describe
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSION = 3
@@ -48,6 +49,7 @@ DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4          # GGML_MAX_DIMS
 MAX_NAME_BYTES = 63   # llama.cpp's GGML_MAX_NAME is 64 including the terminating NUL
 MAX_ARRAY_DEPTH = 8   # real files never nest; the cap keeps hostile files from exhausting the stack
+DECODABLE = (GGMLType.F32, GGMLType.F16, GGMLType.BF16, *(GGMLType[n] for n in DEQUANTIZE))  # dequantize's types
 
 
 class GGUFError(ValueError):
@@ -63,8 +65,7 @@ class ValueType(enum.IntEnum):
 _NUMBER_DTYPE = {
     ValueType.UINT8: "<u1", ValueType.INT8: "<i1", ValueType.UINT16: "<u2", ValueType.INT16: "<i2",
     ValueType.UINT32: "<u4", ValueType.INT32: "<i4", ValueType.FLOAT32: "<f4", ValueType.BOOL: "<u1",
-    ValueType.UINT64: "<u8", ValueType.INT64: "<i8", ValueType.FLOAT64: "<f8",
-}
+    ValueType.UINT64: "<u8", ValueType.INT64: "<i8", ValueType.FLOAT64: "<f8"}
 _INT_RANGE = {t: (int(np.iinfo(d).min), int(np.iinfo(d).max))
               for t, d in _NUMBER_DTYPE.items() if t not in (ValueType.FLOAT32, ValueType.FLOAT64, ValueType.BOOL)}
 # Fewest bytes one item can occupy: bounds a count against the bytes left before allocating anything.
@@ -254,7 +255,7 @@ class GGUFFile:
         if info.type.name in DEQUANTIZE:
             return DEQUANTIZE[info.type.name](self.array(name)).reshape(info.shape)
         raise GGUFError(f"unsupported type {info.type.name} for tensor {name!r}: dequantize handles "
-                        f"F32, F16, BF16 and {', '.join(DEQUANTIZE)}")
+                        f"{', '.join(t.name for t in DECODABLE)}")
 
     def close(self) -> None:
         """Drop the map. Views still alive keep their pages mapped until they are garbage-collected."""
@@ -301,7 +302,8 @@ def _parse(path: str, buf: mmap.mmap) -> GGUFFile:
     r = _Cursor(buf)
     magic = r.take(4, "magic")
     if magic != GGUF_MAGIC:
-        raise GGUFError(f"bad magic {magic!r} at offset 0: {path} is not a GGUF file")
+        what = describe(path, buf[:16], r.size)  # JSON, safetensors, ...: name it, and what to load instead
+        raise GGUFError(f"bad magic {magic!r} at offset 0: {path} is not a GGUF file{f' but {what}' if what else ''}")
     version = r.u32("version")
     if version not in (2, 3):
         hint = " (a big-endian file?)" if version in (2 << 24, 3 << 24) else ""
