@@ -92,7 +92,8 @@ PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
     "llama-bpe": ((_LLAMA3,), True),  # Llama 3
     "qwen2": ((_QWEN2,), False),
     "qwen35": ((_QWEN35,), False),
-    "deepseek-llm": (("[\r\n]", f"\\s?[{_CASED_LETTERS}]+", "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+    "deepseek-llm": (("[\r\n]", f"\\s?[{_CASED_LETTERS}]+",
+                      "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",  # punctuation
                       r"\s+$", _CJK, r"\p{N}+"), False),
     "deepseek-coder": (("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}"), False),
 }
