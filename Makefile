@@ -3,10 +3,11 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
+VOCAB  := .vocab
 
 .PHONY: setup chromium book test bench clean
 
-setup: $(VENV)/.installed chromium
+setup: $(VENV)/.installed chromium $(VOCAB)/.extracted
 
 # tests/test_book.py drives Debian's Chromium through Playwright (no browser download); checked on
 # every setup so an existing .venv still gets it
@@ -35,6 +36,16 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(BIN)/python -m pip install -r requirements.txt
 	@# ref_impl importable from anywhere in the venv (notebooks run in book/)
 	$(BIN)/python -m pip install --quiet --no-deps -e .
+	touch $@
+
+# llama.cpp's tokenizer test vocabularies (models/ggml-vocab-*.gguf with their .inp/.out vectors) for
+# tests/test_tokenizer_llama_cpp.py: taken from the pinned llama-cpp-python source package, once
+$(VOCAB)/.extracted: requirements.txt | $(VENV)/.installed
+	rm -rf $(VOCAB) && mkdir -p $(VOCAB)/sdist
+	$(BIN)/python -m pip download --quiet --no-binary :all: --no-deps -d $(VOCAB)/sdist \
+	  $$(grep '^llama-cpp-python==' requirements.txt)
+	tar -xzf $(VOCAB)/sdist/*.tar.gz -C $(VOCAB) --strip-components=4 --wildcards '*/vendor/llama.cpp/models/ggml-vocab-*'
+	rm -rf $(VOCAB)/sdist
 	touch $@
 
 book: setup

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ref_impl.engine.tokenizer import EOT, PRE_TOKENIZERS, TOKEN_CONTROL, TOKEN_NORMAL, Tokenizer, train_tokenizer
+from ref_impl.engine.tokenizer import EOT, TOKEN_CONTROL, TOKEN_NORMAL, Tokenizer, train_tokenizer
 from ref_impl.formats import gguf as our_gguf
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -89,14 +89,16 @@ def test_gguf_metadata_keys(tok):
     md = tok.gguf_metadata()
     assert md["tokenizer.ggml.model"] == "gpt2" and md["tokenizer.ggml.pre"] == "gpt-2"
     assert set(md) == {f"tokenizer.ggml.{k}" for k in (
-        "model", "pre", "tokens", "token_type", "merges", "bos_token_id", "eos_token_id", "add_bos_token")}
+        "model", "pre", "tokens", "token_type", "merges", "bos_token_id", "eos_token_id", "add_bos_token",
+        "add_eos_token")}
     assert all(isinstance(m, str) and m.count(" ") == 1 for m in md["tokenizer.ggml.merges"])
     assert md["tokenizer.ggml.add_bos_token"] is True
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"tokenizer.ggml.model": "llama"}, "gpt2"),
-    ({"tokenizer.ggml.pre": "falcon"}, "not supported"),
+    ({"tokenizer.ggml.model": "bert"}, "'bert'; supported: gpt2, llama"),
+    ({"tokenizer.ggml.model": "llama"}, "scores"),
+    ({"tokenizer.ggml.pre": "jina-v2-zh"}, "'jina-v2-zh' is not supported; known: .*'qwen2'"),
     ({"tokenizer.ggml.token_type": [1, 1]}, "token types"),
     ({"tokenizer.ggml.bos_token_id": 10**6}, "outside"),
     ({"tokenizer.ggml.merges": ["Ġ zzz"]}, "merge 0"),
@@ -107,12 +109,19 @@ def test_bad_metadata(tok, change, message):
         Tokenizer.from_gguf_metadata({**tok.gguf_metadata(), **change})
 
 
-@pytest.mark.parametrize("key", ["tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.pre"])
+@pytest.mark.parametrize("key", ["tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.eos_token_id"])
 def test_missing_metadata(tok, key):
     md = tok.gguf_metadata()
     del md[key]
     with pytest.raises(ValueError, match=key.split(".")[-1]):
         Tokenizer.from_gguf_metadata(md)
+
+
+def test_missing_pre_is_default(tok):
+    """As llama.cpp: a gpt2 vocabulary without tokenizer.ggml.pre gets the "default" pre-tokenizer."""
+    md = tok.gguf_metadata()
+    del md["tokenizer.ggml.pre"]
+    assert Tokenizer.from_gguf_metadata(md).pre == "default"
 
 
 # --- GGUF files and llama.cpp ------------------------------------------------------------------
@@ -166,7 +175,12 @@ def read_gguf_metadata(path: Path) -> dict:
     return {name: field.contents() for name, field in gguf.GGUFReader(str(path)).fields.items()}
 
 
-@pytest.fixture(scope="session", params=sorted(PRE_TOKENIZERS))
+# a few pre-tokenizers of different kinds (one regex, a fast path in llama.cpp, several regexes);
+# tests/test_tokenizer_llama_cpp.py checks every one on real vocabularies
+ORACLE_PRES = ["gpt-2", "llama-bpe", "qwen2", "deepseek-coder", "default"]
+
+
+@pytest.fixture(scope="session", params=ORACLE_PRES)
 def pre_and_file(request, tok, tmp_path_factory):
     """Our vocabulary under each supported pre-tokenizer, written to a tiny llama GGUF file."""
     arch, tensors = tiny_llama(tok.vocab_size)
@@ -217,13 +231,13 @@ def test_llama_cpp_agrees_on_any_text(llamas, text):
 
 
 def test_pre_tokenizers_differ(tok):
-    """The oracle tests compare something: the three pre-tokenizers split this text differently."""
+    """The oracle tests compare something: the pre-tokenizers split this text differently."""
     text = "x = 1234567890\n\n    DON'T"
     md = tok.gguf_metadata()
     splits = {pre: [word for word, _ in Tokenizer.from_gguf_metadata({**md, "tokenizer.ggml.pre": pre})
-                    .hf.pre_tokenizer.pre_tokenize_str(text)] for pre in PRE_TOKENIZERS}
+                    .hf.pre_tokenizer.pre_tokenize_str(text)] for pre in ORACLE_PRES}
     assert splits["gpt-2"] == ["x", "Ġ=", "Ġ1234567890", "ĊĊĠĠĠ", "ĠDON", "'", "T"]
-    assert len({tuple(words) for words in splits.values()}) == len(PRE_TOKENIZERS)
+    assert len({tuple(words) for words in splits.values()}) == len(ORACLE_PRES)
 
 
 def test_ref_impl_gguf_file(tok, tmp_path, samples):

@@ -1,31 +1,42 @@
-"""A byte-level BPE tokenizer: trained with HuggingFace `tokenizers`, stored in GGUF metadata.
+"""Tokenizers as llama.cpp runs them: byte-level BPE ("gpt2") and SentencePiece ("llama"), on HF `tokenizers`.
 
 Byte-level BPE (GPT-2's scheme) works on UTF-8 bytes, not characters. Each of the 256 byte
 values is first given a printable stand-in character (space -> "Ġ", newline -> "Ċ"), so every
 token is an ordinary string and the 256 one-byte tokens cover any text: nothing is ever
 unknown. Encoding runs in three steps:
 
-    text -> pre-tokenizer regex splits it into words (" def", "  ", "42", "'s")
+    text -> pre-tokenizer regexes split it into words (" def", "  ", "42", "'s")
          -> each word's UTF-8 bytes become stand-in characters
          -> BPE applies the learned merges, lowest rank first, inside each word.
 
 Training learns the merges: start from the 256 bytes and repeatedly merge the most frequent
 adjacent pair into a new token until the vocabulary has the size asked for.
 
-llama.cpp reads such a vocabulary from these GGUF keys (src/llama-vocab.cpp, `load`):
+SentencePiece vocabularies (Llama 1/2, Mistral, Phi-3) work on characters instead. A space
+becomes "▁" and one "▁" goes in front of the text, so " the" and "the" at the start are the
+same token; there are no merge rules, only a score per token: the adjacent pair whose joined
+text is the highest-scoring token merges first. A character no token holds falls back to
+its UTF-8 bytes, tokens "<0x00>".."<0xFF>". Here the scores become BPE merges (ranked by the
+score of the token they make) and `tokenizers` runs them with byte fallback.
 
-    tokenizer.ggml.model           "gpt2" = byte-level BPE
-    tokenizer.ggml.pre             which pre-tokenizer regex; "gpt-2" is GPT-2's own
-    tokenizer.ggml.tokens          [str] the tokens as stand-in strings, index = token id
-    tokenizer.ggml.token_type      [int] 1 normal, 3 control (special), 4 user-defined
-    tokenizer.ggml.merges          [str] "left right", index = merge rank
-    tokenizer.ggml.bos_token_id    int
-    tokenizer.ggml.eos_token_id    int
-    tokenizer.ggml.add_bos_token   bool, whether a prompt starts with BOS
+llama.cpp reads a vocabulary from these GGUF keys (src/llama-vocab.cpp, `load`):
 
-The course's vocabulary uses "gpt-2"; "llama-bpe" (Llama 3) and "qwen2" also load, so the
-tokenizers of common GGUF files work too. References: Radford et al. 2019 (GPT-2, section
-2.2); Sennrich et al. 2016 (BPE for words); the `tokenizers` docs.
+    tokenizer.ggml.model            "gpt2" = byte-level BPE, "llama" = SentencePiece
+    tokenizer.ggml.pre              gpt2 only: which pre-tokenizer regexes (missing = "default")
+    tokenizer.ggml.tokens           [str] the tokens, index = token id
+    tokenizer.ggml.token_type       [int] 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
+    tokenizer.ggml.merges           gpt2: [str] "left right", index = merge rank
+    tokenizer.ggml.scores           llama: [float] one per token, higher merges first
+    tokenizer.ggml.bos_token_id     int
+    tokenizer.ggml.eos_token_id     int
+    tokenizer.ggml.add_bos_token    bool, whether a prompt starts with BOS
+    tokenizer.ggml.add_eos_token    bool, whether a prompt ends with EOS
+    tokenizer.ggml.add_space_prefix llama: bool, the leading "▁" (default true)
+
+Control tokens typed in the text stay text (llama.cpp's `tokenize(..., special=False)`);
+user-defined ones are matched first, as llama.cpp does. References: Radford et al. 2019
+(GPT-2, section 2.2); Sennrich et al. 2016 (BPE for words); Kudo and Richardson 2018
+(SentencePiece); the `tokenizers` docs.
 
 See chapter: intro
 """
@@ -37,23 +48,69 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
 EOT = "<|endoftext|>"  # the one special token: BOS and EOS at once, as in GPT-2
-TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+MODELS = ("gpt2", "llama")
+SPACE = "\u2581"  # "▁", SentencePiece's space
 
-# `tokenizer.ggml.pre` -> (split regex, ignore_merges). None means ByteLevel's built-in regex,
-# GPT-2's: 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
-# The others are copied from the models' tokenizer.json, as llama.cpp's llama-vocab.cpp has them.
+# `tokenizer.ggml.pre` -> (split regexes, applied one after the other to the pieces the previous left;
+# ignore_merges: a word already in the vocabulary skips the merges). Written from llama.cpp's
+# src/llama-vocab.cpp (llm_tokenizer_bpe), whose own fast paths (unicode.cpp) give the same splits.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
-PRE_TOKENIZERS: dict[str, tuple[str | None, bool]] = {
-    "gpt-2": (None, False),
-    "llama-bpe": (_LLAMA3, True),  # Llama 3: a word already in the vocab skips the merges
-    "qwen2": (_QWEN2, False),
+_QWEN35 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+           r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"  # CJK ideographs, a wide block below them, Hangul
+_CASED_LETTERS = (  # DeepSeek LLM's letters: the cased ones (Latin, Greek, Cyrillic, Armenian, ...)
+    "A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af"
+    "\u0370-\u0373\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5"
+    "\u03f7-\u0481\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba"
+    "\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45"
+    "\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe"
+    "\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc"
+    "\u2102\u2107\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134"
+    "\u2139\u213c-\u213f\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee"
+    "\u2cf2\u2cf3\ua640-\ua66d\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf"
+    "\ufb00-\ufb06\ufb13-\ufb17\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3"
+    "\U000104d8-\U000104fb\U00010c80-\U00010cb2\U00010cc0-\U00010cf2\U000118a0-\U000118df"
+    "\U0001e900-\U0001e943")
+_STARCODER = ((r"\p{N}", _GPT2), False)  # every digit alone
+PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
+    # llama.cpp's choice for a missing key: punctuation runs, then GPT-2's, digit runs, then threes
+    "default": ((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"), False),
+    "gpt-2": ((_GPT2,), False),
+    "mpt": ((_GPT2,), False),
+    "starcoder": _STARCODER,
+    "refact": _STARCODER,
+    "command-r": _STARCODER,
+    "falcon": ((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, "[0-9][0-9][0-9]"), False),
+    "llama-bpe": ((_LLAMA3,), True),  # Llama 3
+    "qwen2": ((_QWEN2,), False),
+    "qwen35": ((_QWEN35,), False),
+    "deepseek-llm": (("[\r\n]", f"\\s?[{_CASED_LETTERS}]+",
+                      "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",  # punctuation
+                      r"\s+$", _CJK, r"\p{N}+"), False),
+    "deepseek-coder": (("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}"), False),
 }
+
+# Token texts llama.cpp treats as control whatever their stored type (end-of-generation and
+# fill-in-the-middle markers, llama-vocab.cpp `load`): typed in a prompt they are plain text,
+# and decoding drops them.
+CONTROL_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>",
+    "[e~[", "<MID>", "<PAD>", "<PRE>", "<REPO>", "<SUF>", "<fim-middle>", "<fim-pad>", "<fim-prefix>", "<fim-repo>",
+    "<fim-suffix>", "<fim_middle>", "<fim_pad>", "<fim_prefix>", "<fim_suffix>", "<reponame>", "<|code_middle|>",
+    "<|code_prefix|>", "<|code_suffix|>", "<|file_sep|>", "<|fim_middle|>", "<|fim_pad|>", "<|fim_prefix|>",
+    "<|fim_repo|>", "<|fim_suffix|>", "<|middle|>", "<|prefix|>", "<|repo_name|>", "<|suffix|>",
+    "<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581end\uff5c>", "<\uff5cfim\u2581hole\uff5c>", "[PAD]",
+    "\u2581<MID>", "\u2581<PRE>", "\u2581<SUF>"})
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -73,31 +130,48 @@ _BYTE_OF = {c: b for b, c in bytes_to_unicode().items()}
 
 
 class Tokenizer:
-    """A byte-level BPE vocabulary (tokens + ranked merges) and a `tokenizers` engine built on it.
+    """A llama.cpp vocabulary ("gpt2" byte-level BPE or "llama" SentencePiece) and a `tokenizers` engine for it.
 
-    `tokens[i]` is token i as a stand-in string; `merges[r]` is "left right", rank r.
-    `encode` treats special tokens in the text as plain text, like llama.cpp's
-    `tokenize(..., special=False)`; `decode` drops them.
+    `tokens[i]` is token i as the vocabulary stores it; `merges[r]` is "left right", rank r ("gpt2");
+    `scores[i]` is token i's score ("llama"). `encode` treats control tokens in the text as plain
+    text, like llama.cpp's `tokenize(..., special=False)`; `decode` drops them.
     """
 
     def __init__(self, tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int],
-                 bos_id: int, eos_id: int, add_bos: bool = True, pre: str = "gpt-2"):
+                 bos_id: int, eos_id: int, add_bos: bool = True, pre: str = "gpt-2", *, model: str = "gpt2",
+                 scores: Sequence[float] = (), add_eos: bool = False, add_space_prefix: bool = True):
         n = len(tokens)
+        if model not in MODELS:
+            raise ValueError(f"tokenizer model {model!r} is not supported; known: {list(MODELS)}")
         if len(token_types) != n:
             raise ValueError(f"{len(token_types)} token types for {n} tokens")
+        if model == "llama" and len(scores) != n:
+            raise ValueError(f"{len(scores)} scores for {n} tokens")
         if len(set(tokens)) != n:
             raise ValueError("tokens are not unique")
         for name, i in (("bos", bos_id), ("eos", eos_id)):
             if not 0 <= i < n:
                 raise ValueError(f"{name} id {i} is outside the vocabulary (size {n})")
-        if pre not in PRE_TOKENIZERS:
+        if model == "gpt2" and pre not in PRE_TOKENIZERS:
             raise ValueError(f"pre-tokenizer {pre!r} is not supported; known: {sorted(PRE_TOKENIZERS)}")
-        self.tokens, self.merges = list(tokens), list(merges)
-        self.token_types = [int(t) for t in token_types]
-        self.bos_id, self.eos_id, self.add_bos, self.pre = int(bos_id), int(eos_id), bool(add_bos), pre
-        self.hf = self._build_hf()
+        self.model, self.tokens, self.merges = model, list(tokens), list(merges)
+        self.token_types, self.scores = [int(t) for t in token_types], [float(s) for s in scores]
+        self.bos_id, self.eos_id, self.add_bos, self.add_eos = int(bos_id), int(eos_id), bool(add_bos), bool(add_eos)
+        self.pre, self.add_space_prefix = pre, bool(add_space_prefix)
+        self.hf = self._build_bpe() if model == "gpt2" else self._build_spm()
+        self.control = {i for i, (t, ty) in enumerate(zip(self.tokens, self.token_types))
+                        if ty == TOKEN_CONTROL or t in CONTROL_TEXTS}
+        self.hf.add_tokens([AddedToken(t, special=i in self.control, normalized=False)
+                            for i, (t, ty) in enumerate(zip(self.tokens, self.token_types))
+                            if i in self.control or ty == TOKEN_USER_DEFINED])
+        self.hf.encode_special_tokens = True  # "<|endoftext|>" typed in a prompt is just text
+        if self.add_bos:  # only used by HF-side callers (mlx-lm); `encode` adds BOS itself
+            bos = self.tokens[self.bos_id]
+            self.hf.post_processor = processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, self.bos_id)])
 
-    def _build_hf(self) -> HFTokenizer:
+    def _build_bpe(self) -> HFTokenizer:
+        """Byte-level BPE: the pre-tokenizer's regexes, GPT-2's byte stand-ins, ranked merges."""
         vocab = {t: i for i, t in enumerate(self.tokens)}
         pairs = []
         for rank, merge in enumerate(self.merges):
@@ -106,83 +180,113 @@ class Tokenizer:
             if cut < 0 or left not in vocab or right not in vocab or left + right not in vocab:
                 raise ValueError(f"merge {rank} {merge!r} does not join two tokens into a token")
             pairs.append((left, right))
-        regex, ignore_merges = PRE_TOKENIZERS[self.pre]
+        regexes, ignore_merges = PRE_TOKENIZERS[self.pre]
         # No unk token and no byte fallback: the 256 byte tokens cover every input.
         hf = HFTokenizer(models.BPE(vocab, pairs, ignore_merges=ignore_merges))
-        if regex is None:
-            hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        else:
-            hf.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(regex), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        hf.pre_tokenizer = pre_tokenizers.Sequence([
+            *(pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         hf.decoder = decoders.ByteLevel()
-        hf.add_tokens([AddedToken(t, special=ty == TOKEN_CONTROL, normalized=False)
-                       for t, ty in zip(self.tokens, self.token_types)
-                       if ty in (TOKEN_CONTROL, TOKEN_USER_DEFINED)])
-        hf.encode_special_tokens = True  # "<|endoftext|>" typed in a prompt is just text
-        if self.add_bos:  # only used by HF-side callers (mlx-lm); `encode` adds BOS itself
-            bos = self.tokens[self.bos_id]
-            hf.post_processor = processors.TemplateProcessing(
-                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, self.bos_id)])
+        return hf
+
+    def _build_spm(self) -> HFTokenizer:
+        """SentencePiece as BPE: every split of a token into two tokens is a merge, ranked by that token's score.
+
+        llama.cpp's SPM tokenizer repeatedly joins the adjacent pair that makes the highest-scoring
+        token; ranking the merges by that score makes BPE join the same pairs in the same order.
+        """
+        vocab = {t: i for i, t in enumerate(self.tokens)}
+        ranked = []
+        for i, token in enumerate(self.tokens):
+            if self.token_types[i] == TOKEN_BYTE:
+                continue
+            ranked += [(-self.scores[i], i, token[:k], token[k:]) for k in range(1, len(token))
+                       if token[:k] in vocab and token[k:] in vocab]
+        ranked.sort(key=lambda m: m[:2])
+        unk = next((t for t, ty in zip(self.tokens, self.token_types) if ty == TOKEN_UNKNOWN), None)
+        hf = HFTokenizer(models.BPE(vocab, [(a, b) for *_, a, b in ranked], unk_token=unk, byte_fallback=True))
+        spaces = normalizers.Replace(" ", SPACE)
+        hf.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), spaces]) if self.add_space_prefix else spaces
+        steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+        hf.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)] if self.add_space_prefix else steps)
         return hf
 
     @property
     def vocab_size(self) -> int:
         return len(self.tokens)
 
-    def encode(self, text: str, bos: bool = False) -> list[int]:
-        """Token ids for `text`, with BOS in front when `bos` is true."""
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        """Token ids for `text`, with BOS in front when `bos` is true and EOS at the end when `eos` is."""
         ids = self.hf.encode(text, add_special_tokens=False).ids
-        return [self.bos_id, *ids] if bos else ids
+        return [self.bos_id] * bos + ids + [self.eos_id] * eos
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Text for token ids; special tokens are dropped, invalid UTF-8 becomes U+FFFD."""
-        return self.hf.decode(list(ids), skip_special_tokens=True)
+        """Text for token ids, piece by piece as llama.cpp's `token_to_piece`: control, unknown and
+        unused tokens give nothing; invalid UTF-8 becomes U+FFFD. For SentencePiece the space
+        `encode` put in front is taken off again.
+        """
+        silent = (TOKEN_UNKNOWN, TOKEN_UNUSED)
+        data = b"".join(self.token_bytes(i) for i in ids if i not in self.control and self.token_types[i] not in silent)
+        if self.model == "llama" and self.add_space_prefix and data.startswith(b" "):
+            data = data[1:]
+        return data.decode("utf-8", errors="replace")
 
     def id_to_piece(self, token_id: int) -> str:
-        """Token as stored in the vocabulary, e.g. "Ġdef" for " def"."""
+        """Token as stored in the vocabulary, e.g. "Ġdef" (gpt2) or "▁def" (llama) for " def"."""
         return self.tokens[token_id]
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The raw bytes a token stands for (a special token gives its own text)."""
-        piece = self.tokens[token_id]
-        if self.token_types[token_id] != TOKEN_NORMAL or any(c not in _BYTE_OF for c in piece):
+        """The raw bytes a token stands for (a control or user-defined token gives its own text)."""
+        piece, kind = self.tokens[token_id], self.token_types[token_id]
+        if self.model == "llama":
+            if kind == TOKEN_BYTE:
+                return bytes([int(piece[3:-1], 16)])  # "<0x41>" -> b"A"
+            return piece.replace(SPACE, " ").encode() if kind == TOKEN_NORMAL else piece.encode()
+        if kind != TOKEN_NORMAL or any(c not in _BYTE_OF for c in piece):
             return piece.encode()
         return bytes(_BYTE_OF[c] for c in piece)
 
     def gguf_metadata(self) -> dict[str, Any]:
-        """The `tokenizer.ggml.*` keys llama.cpp reads for a byte-level BPE vocabulary."""
-        return {
-            "tokenizer.ggml.model": "gpt2",
-            "tokenizer.ggml.pre": self.pre,
+        """The `tokenizer.ggml.*` keys llama.cpp reads for this vocabulary."""
+        common = {
+            "tokenizer.ggml.model": self.model,
             "tokenizer.ggml.tokens": list(self.tokens),
             "tokenizer.ggml.token_type": list(self.token_types),
-            "tokenizer.ggml.merges": list(self.merges),
             "tokenizer.ggml.bos_token_id": self.bos_id,
             "tokenizer.ggml.eos_token_id": self.eos_id,
             "tokenizer.ggml.add_bos_token": self.add_bos,
+            "tokenizer.ggml.add_eos_token": self.add_eos,
         }
+        if self.model == "llama":
+            return {**common, "tokenizer.ggml.scores": list(self.scores),
+                    "tokenizer.ggml.add_space_prefix": self.add_space_prefix}
+        return {**common, "tokenizer.ggml.pre": self.pre, "tokenizer.ggml.merges": list(self.merges)}
 
     @classmethod
     def from_gguf_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
         """Rebuild the tokenizer from GGUF metadata (other keys in the dict are ignored).
 
-        Raises ValueError unless the vocabulary is byte-level BPE ("gpt2") with a
-        supported pre-tokenizer and consistent keys. A missing add_bos_token means
-        false and missing token types mean all normal, as in llama.cpp.
+        Raises ValueError unless the vocabulary is "gpt2" (with a supported pre-tokenizer) or
+        "llama", with consistent keys. Defaults are llama.cpp's: a missing pre-tokenizer is
+        "default"; add_bos_token is false for gpt2 ("llama-bpe": true) and true for llama;
+        add_eos_token false; add_space_prefix true; missing token types mean all normal.
         """
         model = metadata.get("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise ValueError(f"tokenizer.ggml.model is {model!r}; only byte-level BPE ('gpt2') is supported")
-        missing = [k for k in ("pre", "tokens", "merges", "bos_token_id", "eos_token_id")
-                   if f"tokenizer.ggml.{k}" not in metadata]
+        if model not in MODELS:
+            raise ValueError(f"tokenizer.ggml.model is {model!r}; supported: {', '.join(MODELS)}")
+        needed = ("tokens", "bos_token_id", "eos_token_id", "merges" if model == "gpt2" else "scores")
+        missing = [k for k in needed if f"tokenizer.ggml.{k}" not in metadata]
         if missing:
             raise ValueError(f"GGUF metadata lacks tokenizer.ggml.{{{', '.join(missing)}}}")
         tokens = [str(t) for t in metadata["tokenizer.ggml.tokens"]]
-        types = metadata.get("tokenizer.ggml.token_type", [TOKEN_NORMAL] * len(tokens))
-        return cls(tokens, [str(m) for m in metadata["tokenizer.ggml.merges"]], [int(t) for t in types],
+        types = [int(t) for t in metadata.get("tokenizer.ggml.token_type", [TOKEN_NORMAL] * len(tokens))]
+        pre = str(metadata.get("tokenizer.ggml.pre", "default"))
+        add_bos = metadata.get("tokenizer.ggml.add_bos_token", model == "llama" or pre == "llama-bpe")
+        return cls(tokens, [str(m) for m in metadata.get("tokenizer.ggml.merges", [])], types,
                    int(metadata["tokenizer.ggml.bos_token_id"]), int(metadata["tokenizer.ggml.eos_token_id"]),
-                   bool(metadata.get("tokenizer.ggml.add_bos_token", False)), str(metadata["tokenizer.ggml.pre"]))
+                   bool(add_bos), pre, model=model, scores=metadata.get("tokenizer.ggml.scores", ()),
+                   add_eos=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
+                   add_space_prefix=bool(metadata.get("tokenizer.ggml.add_space_prefix", True)))
 
     def to_hf_json(self) -> str:
         """The vocabulary as a HuggingFace tokenizer.json string (for mlx-lm and transformers)."""
