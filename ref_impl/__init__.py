@@ -17,3 +17,4 @@ blas.load_optimized_blas()
 ROOT = Path(__file__).resolve().parent.parent
 MODELS_DIR = ROOT / "models"     # the shipped GGUF models
 RESULTS_DIR = ROOT / "results"   # measured results, one JSON file per machine and run
+VOCAB_DIR = ROOT / ".vocab"      # llama.cpp's tokenizer test vocabularies, extracted by `make setup`

@@ -83,7 +83,8 @@ def test_llama3_template_renders_a_system_and_a_user_message():
     text = chat.chat_prompt(LLAMA3_META, "llama3.gguf", " Hi there\n", system="Be brief.")  # trim drops the spaces
     assert text == LLAMA3_TEXT
     # llama.cpp leaves BOS to the tokenizer; the rest is the same text
-    assert llama_cpp_format(LLAMA3, chat.conversation("Hi there", "Be brief.")) == text.removeprefix("<|begin_of_text|>")
+    expected = text.removeprefix("<|begin_of_text|>")
+    assert llama_cpp_format(LLAMA3, chat.conversation("Hi there", "Be brief.")) == expected
 
 
 def test_chatml_template_renders_a_system_and_a_user_message():

@@ -9,7 +9,6 @@ grows by the pages touched, not the file. `inspect` ends with "runs here: yes" o
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import struct
 import subprocess

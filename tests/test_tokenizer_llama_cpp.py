@@ -10,16 +10,15 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
+import llama_cpp
 import numpy as np
 import pytest
 
+from ref_impl import VOCAB_DIR
 from ref_impl.__main__ import main
 from ref_impl.engine.tokenizer import Tokenizer
 from ref_impl.formats import gguf as our_gguf
 
-llama_cpp = pytest.importorskip("llama_cpp")
-
-VOCAB_DIR = Path(__file__).resolve().parents[1] / ".vocab"
 SEPARATOR = "\n__ggml_vocab_test__\n"  # between two inputs of a .inp file (test-tokenizer-0.cpp)
 SUPPORTED = ["aquila", "baichuan", "command-r", "deepseek-coder", "deepseek-llm", "falcon", "gpt-2", "gpt-neox",
              "llama-bpe", "llama-spm", "mpt", "phi-3", "qwen2", "qwen35", "refact", "starcoder"]
