@@ -342,7 +342,7 @@ def swap_quantized(model: nn.Module, f: gguf.GGUFFile, names: dict[str, str], sc
         if isinstance(modules[path], nn.Embedding):
             q = nn.QuantizedEmbedding(rows, n, group_size=a.group_size, bits=a.bits)
         else:
-            q = nn.QuantizedLinear(n, rows, bias=False, group_size=a.group_size, bits=a.bits)
+            q = nn.QuantizedLinear(n, rows, bias="bias" in modules[path], group_size=a.group_size, bits=a.bits)
         swaps.append((path, q))
         weights[name] = [(f"{path}.weight", mx.array(a.weight)),
                          (f"{path}.scales", mx.array(a.scales).astype(scale_dtype)),
