@@ -67,9 +67,11 @@ def random_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator
 def _random_f16(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Random float16 (rows, cols), sign random, made from raw bits: |x| in [s/4, s) for the power of two s
     nearest 2 / sqrt(cols), so a row times a unit-RMS input is about 1 (scores and logits that matter)."""
-    e = 15 + round(np.log2(2 / np.sqrt(cols))) - 2   # biased exponent of s/4; a random bit adds one to it
+    e = 15 + round(np.log2(2 / np.sqrt(cols))) - 2   # biased exponent of s/4
     bits = _random_bytes(rows * cols * 2, rng).view("<u2").reshape(rows, cols)
-    return ((bits & 0x83FF) + np.uint16(e << 10) + (bits & 0x0400)).view("<f2")
+    bits &= 0x87FF                                     # sign, mantissa and the exponent's lowest bit (0 or 1)
+    bits += np.uint16(e << 10)                         # exponent e or e + 1
+    return bits.view("<f2")
 
 
 def tensor_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:

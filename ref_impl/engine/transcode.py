@@ -319,7 +319,8 @@ def swap_quantized(model: nn.Module, f: gguf.GGUFFile, names: dict[str, str], sc
     """Swap every matrix of `model` that `f` holds in a mapped GGML type for a QuantizedLinear or
     QuantizedEmbedding with the file's bits, and return the arrays to load into it, by GGUF name:
     its codes, and its scales and biases in `scale_dtype` (float32 makes every mapping but Q6_K exact;
-    with float16 activations it also makes matmuls return float32).
+    with float16 activations it also makes matmuls return float32). A projection's own bias (qwen2's q, k, v)
+    stays a float parameter of the new layer, loaded like the norms.
 
     names: GGUF tensor name -> parameter name (checkpoint.gguf_weight_names). A matrix of a type with
     no mapping is left as it is, to be loaded as floats like the norms, and logged; `plan(f)` gives
