@@ -240,3 +240,11 @@ def test_what_this_decoder_cannot_build_is_refused(files, change, message):
         meta, tensors = {**f.metadata, **change}, dict(f.tensors)
     with pytest.raises(ValueError, match=message):
         ModelArgs.from_gguf({k: v for k, v in meta.items() if v is not None}, tensors)
+
+
+def test_rope_freqs_belong_to_llama_files(files):
+    """Llama 3's frequency factors: llama.cpp's qwen2 and qwen3 graphs take none, so such a file is refused."""
+    for variant in ("qwen2", "qwen3"):
+        with gguf.read(files[variant]) as f:
+            with pytest.raises(ValueError, match=f"a {variant} file with rope_freqs.weight"):
+                ModelArgs.from_gguf(f.metadata, f.tensors, rope_freq_factors=(1.0,) * 32)

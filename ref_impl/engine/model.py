@@ -156,6 +156,9 @@ class ModelArgs:
 
         if "token_embd.weight" not in tensors:
             raise ValueError("GGUF file has no 'token_embd.weight' tensor")
+        if rope_freq_factors is not None and arch != "llama":
+            raise ValueError(f"a {arch} file with rope_freqs.weight: llama.cpp's {arch} graph applies no "
+                             "frequency factors (only llama's does)")
         scaling = key("rope.scaling.type", "linear")
         if scaling not in ROPE_SCALINGS:
             raise ValueError(f"{arch}.rope.scaling.type is {scaling!r}: this decoder applies "
