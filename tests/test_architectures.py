@@ -5,7 +5,7 @@ Each file is written by engine/random.write_random_model the way llama.cpp's con
 logits within test_llama_cpp's ATOL, greedy tokens equal, its quantized forms loaded natively (against
 llama.cpp on the very weights they hold, dequantized by the `gguf` package), every KV-cache scheme
 through a decode step, and any other architecture refused. One file has the full width and vocabulary
-of a public model (Qwen3-0.6B) with one layer.
+of a public model (Qwen3-0.6B, Llama-3.2-1B) with one layer.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from ref_impl.engine import kvquant
 from ref_impl.engine.checkpoint import load_model
 from ref_impl.engine.generate import Sampler, generate_step
 from ref_impl.engine.model import ARCHITECTURES, ModelArgs
-from ref_impl.engine.random import write_random_model
+from ref_impl.engine.random import args_for, write_random_model
 from ref_impl.formats import gguf
 from ref_impl.formats.quantize import quantize_file
 
@@ -66,8 +66,8 @@ def files(tmp_path_factory) -> dict[str, Path]:
 
 def same_args(read: ModelArgs, written: ModelArgs) -> bool:
     """Every hyper-parameter read back from the metadata (the norm epsilon is stored as float32)."""
-    return read.rms_norm_eps == pytest.approx(written.rms_norm_eps) and replace(read, rms_norm_eps=0.0) == replace(
-        written, rms_norm_eps=0.0)
+    eps = written.rms_norm_eps
+    return read.rms_norm_eps == pytest.approx(eps) and replace(read, rms_norm_eps=eps) == written
 
 
 def ours(path: Path, quantized: bool = False, dtype: mx.Dtype = mx.float32):
@@ -120,17 +120,24 @@ def test_rope_style_and_scaling_matter(files, tmp_path):
         assert np.abs(logits(ours(files[original]), IDS) - theirs).max() > 100 * ATOL
 
 
-def test_full_width_qwen3_matches_llama_cpp(tmp_path):
-    """Qwen3-0.6B's width, heads, head size and 151936-token vocabulary (tied), one layer of its 28."""
-    args = ModelArgs(151936, 1024, 1, 3072, 16, 8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
-                     max_position_embeddings=40960, architecture="qwen3")
-    path = write_random_model(tmp_path / "qwen3-0.6b-1layer.gguf", args, "F32")
+FULL_WIDTH = {   # one layer of each: llama.cpp and ours on a real model's matrices and vocabulary
+    "Qwen3-0.6B": ModelArgs(151936, 1024, 1, 3072, 16, 8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
+                            max_position_embeddings=40960, architecture="qwen3"),
+    "Llama-3.2-1B": replace(args_for("Llama-3.2-1B", 131072), num_hidden_layers=1, rope_theta=5e5),
+}
+
+
+@pytest.mark.parametrize("name", list(FULL_WIDTH))
+def test_full_width_matches_llama_cpp(tmp_path, name):
+    """A public model's width, heads, head size and vocabulary (Qwen3's 151936 tokens, Llama 3's 128256)."""
+    args = FULL_WIDTH[name]
+    path = write_random_model(tmp_path / f"{name}-1layer.gguf", args, "F32")
     ids = [int(i) for i in np.random.default_rng(1).integers(0, args.vocab_size, 16)]
     theirs = llama_logits(make_llama(path, CONTEXT), ids)
     model = ours(path)
     assert same_args(model.args, args)
     diff = np.abs(logits(model, ids) - theirs).max()
-    assert diff <= ATOL, f"Qwen3-0.6B width: max |logit diff| = {diff:.3e}"
+    assert diff <= ATOL, f"{name} width: max |logit diff| = {diff:.3e}"
 
 
 # --- quantized weights ----------------------------------------------------------------------------
