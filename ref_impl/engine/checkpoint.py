@@ -1,11 +1,12 @@
 """A model's weights in a GGUF file: tensor names, loading and saving.
 
-llama.cpp names a Llama's tensors `token_embd.weight`, `blk.3.attn_q.weight`, `output_norm.weight`;
+llama.cpp names a Llama's tensors `token_embd.weight`, `blk.3.attn_q.weight`, `output_norm.weight`
+(a Qwen2's also `blk.3.attn_q.bias`, a Qwen3's `blk.3.attn_q_norm.weight`);
 model.py names its parameters as Hugging Face and mlx-lm do (`embed_tokens.weight`,
 `layers.3.self_attn.q_proj.weight`, `norm.weight`). One table maps the names both ways, and the
 loader checks that a file holds exactly the model's tensors, in the model's shapes, before loading
-anything. The hyper-parameters come from the file's `llama.*` metadata (ModelArgs.from_gguf), and
-Llama 3's rope scaling from its `rope_freqs.weight` tensor.
+anything. The hyper-parameters come from the file's `<architecture>.*` metadata (ModelArgs.from_gguf:
+llama, qwen2, qwen3), and Llama 3's rope scaling from its `rope_freqs.weight` tensor.
 
 Quantized tensors either expand to floats (`GGUFFile.dequantize`, the kquants decoders) or, with
 `quantized=True`, stay quantized as MLX affine layers (transcode.py). `save` writes float32, the
@@ -41,6 +42,7 @@ GGUF_BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
 
 
@@ -51,7 +53,7 @@ def gguf_to_mlx_name(name: str) -> str:
         return f"layers.{parts[1]}.{GGUF_BLOCK_NAMES[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in GGUF_TOP_NAMES:
         return f"{GGUF_TOP_NAMES[parts[0]]}.{parts[1]}"
-    raise ValueError(f"unexpected tensor {name!r} in a llama GGUF file")
+    raise ValueError(f"unexpected tensor {name!r} in a llama, qwen2 or qwen3 GGUF file")
 
 
 def mlx_to_gguf_name(name: str) -> str:
@@ -91,7 +93,7 @@ def gguf_weight_names(f: gguf.GGUFFile, model: Model) -> dict[str, str]:
 
 
 def model_args(f: gguf.GGUFFile) -> ModelArgs:
-    """The hyper-parameters of an open llama GGUF file, Llama 3's rope factors included."""
+    """The hyper-parameters of an open GGUF file (llama, qwen2, qwen3), Llama 3's rope factors included."""
     factors = None
     if "rope_freqs.weight" in f.tensors:
         factors = tuple(f.dequantize("rope_freqs.weight").astype(float).tolist())
@@ -127,13 +129,13 @@ def load_model(f: gguf.GGUFFile, dtype: mx.Dtype | None = None, quantized: bool 
 
 
 def load(path: str | Path, dtype: mx.Dtype | None = None, quantized: bool = False) -> tuple[Model, Tokenizer]:
-    """Load a llama-architecture GGUF file: the model and its tokenizer (quantized: see load_model)."""
+    """Load a llama, qwen2 or qwen3 GGUF file: the model and its tokenizer (quantized: see load_model)."""
     with gguf.read(path) as f:
         return load_model(f, dtype, quantized), Tokenizer.from_gguf_metadata(f.metadata)
 
 
 def save(model: Model, tokenizer: Tokenizer, path: str | Path, metadata: dict[str, Any] | None = None) -> None:
-    """Write model and tokenizer as a float32 llama GGUF file (llama.cpp loads it too)."""
+    """Write model and tokenizer as a float32 GGUF file of the model's architecture (llama.cpp loads it too)."""
     if tokenizer.vocab_size != model.args.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model "
                          f"{model.args.vocab_size}")

@@ -108,7 +108,8 @@ def check_files(model: str | Path, draft: str | Path | None = None, heads: str |
     """Refuse, from the files' metadata alone (no weights read), a draft model whose vocabulary is not the
     model's, or MTP heads trained on another model: a ValueError naming both files."""
     with gguf.read(model) as f:
-        tokens, width = f.metadata.get("tokenizer.ggml.tokens"), f.metadata.get("llama.embedding_length")
+        arch = f.metadata.get("general.architecture")
+        tokens, width = f.metadata.get("tokenizer.ggml.tokens"), f.metadata.get(f"{arch}.embedding_length")
         name = f.metadata.get("general.name")
     if draft is not None:
         with gguf.read(draft) as f:

@@ -1,4 +1,4 @@
-"""A Llama-family decoder in MLX, loaded from a GGUF file.
+"""A Llama-family decoder in MLX, loaded from a GGUF file: llama (Mistral too), qwen2 and qwen3.
 
 One pass through the network, for tokens (B, L):
 
@@ -8,11 +8,19 @@ Attention is grouped-query (n_kv_heads <= n_heads key/value heads, each shared b
 query heads) with rotary position embeddings; the MLP is SwiGLU. The hot operations go
 through `mx.fast` (rope, scaled_dot_product_attention, rms_norm), as mlx-lm does.
 
-Weights follow llama.cpp's conventions, so a GGUF written by llama.cpp's own converter
-loads as well as the course's model: matrices are stored (out, in), and the rows of the
-query and key projections are ordered for "normal" RoPE, which rotates *adjacent* pairs
-(x0, x1), (x2, x3), ... (`traditional=True` in `mx.fast.rope`). Llama 3's frequency
-scaling arrives as the `rope_freqs.weight` tensor and is applied here.
+The three architectures differ in three switches of `ModelArgs`, one model for all:
+- rope style: llama.cpp's converter reorders a llama's query and key rows for "normal" RoPE, which
+  rotates *adjacent* pairs (x0, x1), (x2, x3), ... (`traditional=True` in `mx.fast.rope`); qwen2 and
+  qwen3 keep Hugging Face's order, rotated NEOX-style in pairs half a head apart (x0, x_{D/2}), ...;
+- attention_bias: q, k and v projections with biases (qwen2; llama.cpp reads them for any of the three);
+- qk_norm: an RMSNorm over each head of the queries and keys before rope (qwen3).
+
+Weights follow llama.cpp's conventions, so a GGUF written by llama.cpp's own converter loads as well
+as the course's model: matrices are stored (out, in). Llama 3's frequency scaling arrives as the
+`rope_freqs.weight` tensor, linear rope scaling as `<arch>.rope.scaling.factor`; both are applied here.
+
+References: llama.cpp src/models/llama.cpp, qwen2.cpp, qwen3.cpp (the graphs), src/llama-model.cpp
+(`llama_model_rope_type`, the hyper-parameter keys).
 
 See chapter: intro
 """
@@ -58,6 +66,31 @@ def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.
     return (mx.softmax(scores, axis=-1, precise=True) @ v).reshape(B, H, L, D)
 
 
+@dataclass(frozen=True)
+class Architecture:
+    """What sets one llama.cpp architecture apart in this decoder."""
+    rope_traditional: bool   # llama.cpp's LLAMA_ROPE_TYPE_NORM (adjacent pairs); False: NEOX (pairs D/2 apart)
+    qk_norm: bool            # RMSNorm over each query and key head before rope
+
+
+# the `general.architecture` values this decoder reads, as llama.cpp builds them
+ARCHITECTURES = {
+    "llama": Architecture(rope_traditional=True, qk_norm=False),
+    "qwen2": Architecture(rope_traditional=False, qk_norm=False),
+    "qwen3": Architecture(rope_traditional=False, qk_norm=True),
+}
+
+# rope scaling types (`<arch>.rope.scaling.type`) this decoder applies; llama.cpp's default is "linear"
+ROPE_SCALINGS = ("none", "linear")
+
+
+def check_architecture(arch: Any) -> Architecture:
+    """The Architecture of a `general.architecture` value; a ValueError naming it and the supported ones."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {arch!r}: this decoder reads {', '.join(ARCHITECTURES)}")
+    return ARCHITECTURES[arch]
+
+
 @dataclass
 class ModelArgs:
     vocab_size: int
@@ -72,8 +105,14 @@ class ModelArgs:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = True
     rope_freq_factors: tuple[float, ...] | None = None   # Llama 3 scaling: one divisor per frequency
+    rope_scaling_factor: float = 1.0   # linear scaling: positions divided by it (llama.cpp's 1 / freq_scale)
+    architecture: str = "llama"        # a key of ARCHITECTURES: the rope style, q/k norms
+    attention_bias: bool = False       # biases on the q, k and v projections (qwen2)
 
     def __post_init__(self):
+        check_architecture(self.architecture)
+        if self.rope_scaling_factor <= 0:
+            raise ValueError(f"rope scaling factor {self.rope_scaling_factor} must be positive")
         if self.head_dim == 0:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
@@ -84,30 +123,48 @@ class ModelArgs:
                              f"of num_key_value_heads ({self.num_key_value_heads})")
 
     @property
+    def rope_traditional(self) -> bool:
+        return ARCHITECTURES[self.architecture].rope_traditional
+
+    @property
+    def qk_norm(self) -> bool:
+        return ARCHITECTURES[self.architecture].qk_norm
+
+    @property
     def num_parameters(self) -> int:
         """Weights in the network (the tied embedding counted once)."""
         d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
         attn = d * hd * (2 * self.num_attention_heads + 2 * self.num_key_value_heads)
-        block = attn + 3 * d * f + 2 * d
+        attn += hd * (self.num_attention_heads + 2 * self.num_key_value_heads) * self.attention_bias
+        block = attn + 3 * d * f + 2 * d + 2 * hd * self.qk_norm
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
         return self.vocab_size * d + self.num_hidden_layers * block + d + head
 
     @classmethod
     def from_gguf(cls, metadata: dict[str, Any], tensors: dict[str, gguf.TensorInfo],
                   rope_freq_factors: tuple[float, ...] | None = None) -> ModelArgs:
-        """Read the hyper-parameters from llama-architecture GGUF metadata."""
+        """Read the hyper-parameters from GGUF metadata under the keys llama.cpp reads for the file's
+        architecture (`<arch>.embedding_length`, ...), and biases from the tensors present."""
         arch = metadata.get("general.architecture")
-        if arch != "llama":
-            raise ValueError(f"unsupported architecture {arch!r}: this decoder reads 'llama' GGUF files")
+        check_architecture(arch)
 
         def key(name: str, default: Any = None) -> Any:
-            value = metadata.get(f"llama.{name}", default)
+            value = metadata.get(f"{arch}.{name}", default)
             if value is None:
-                raise ValueError(f"GGUF metadata lacks 'llama.{name}'")
+                raise ValueError(f"GGUF metadata lacks '{arch}.{name}'")
             return value
 
         if "token_embd.weight" not in tensors:
             raise ValueError("GGUF file has no 'token_embd.weight' tensor")
+        if rope_freq_factors is not None and arch != "llama":
+            raise ValueError(f"a {arch} file with rope_freqs.weight: llama.cpp's {arch} graph applies no "
+                             "frequency factors (only llama's does)")
+        scaling = key("rope.scaling.type", "linear")
+        if scaling not in ROPE_SCALINGS:
+            raise ValueError(f"{arch}.rope.scaling.type is {scaling!r}: this decoder applies "
+                             f"{', '.join(ROPE_SCALINGS)}")
+        # llama.cpp: factor 0 (or absent) and type "none" both mean no scaling; "scale_linear" is the old key
+        factor = float(key("rope.scaling.factor", key("rope.scale_linear", 0.0))) if scaling == "linear" else 0.0
         vocab_size = tensors["token_embd.weight"].shape[0]
         args = cls(
             vocab_size=int(key("vocab_size", vocab_size)),
@@ -122,11 +179,15 @@ class ModelArgs:
             max_position_embeddings=int(key("context_length")),
             tie_word_embeddings="output.weight" not in tensors,
             rope_freq_factors=rope_freq_factors,
+            rope_scaling_factor=factor or 1.0,
+            architecture=arch,
+            attention_bias="blk.0.attn_q.bias" in tensors,
         )
-        # llama.cpp's llama architecture rotates whole heads; so does this decoder
-        if int(key("rope.dimension_count", args.head_dim)) != args.head_dim:
-            raise ValueError(f"llama.rope.dimension_count ({metadata['llama.rope.dimension_count']}) "
-                             f"must equal the head dimension ({args.head_dim})")
+        # llama.cpp's llama, qwen2 and qwen3 graphs rotate whole heads, with values as wide as keys; so does this one
+        for name in ("rope.dimension_count", "attention.value_length"):
+            if int(key(name, args.head_dim)) != args.head_dim:
+                raise ValueError(f"{arch}.{name} ({metadata[f'{arch}.{name}']}) must equal the head dimension "
+                                 f"({args.head_dim})")
         return args
 
     @classmethod
@@ -144,24 +205,27 @@ class ModelArgs:
         """This model as a shape of theory/shapes.py, for the roofline's arithmetic."""
         return ModelShape(name, self.vocab_size, self.hidden_size, self.num_hidden_layers, self.intermediate_size,
                           self.num_attention_heads, self.num_key_value_heads, self.head_dim,
-                          self.tie_word_embeddings, "ref_impl.engine.model.ModelArgs")
+                          self.tie_word_embeddings, "ref_impl.engine.model.ModelArgs", qk_norm=self.qk_norm)
 
     def gguf_metadata(self) -> dict[str, Any]:
-        """The llama-architecture metadata llama.cpp needs to load this model."""
+        """The metadata llama.cpp needs to load this model, under its architecture's prefix."""
+        a = self.architecture
+        scaling = {f"{a}.rope.scaling.type": "linear", f"{a}.rope.scaling.factor": self.rope_scaling_factor}
         return {
-            "general.architecture": "llama",
-            "llama.vocab_size": self.vocab_size,
-            "llama.context_length": self.max_position_embeddings,
-            "llama.embedding_length": self.hidden_size,
-            "llama.block_count": self.num_hidden_layers,
-            "llama.feed_forward_length": self.intermediate_size,
-            "llama.attention.head_count": self.num_attention_heads,
-            "llama.attention.head_count_kv": self.num_key_value_heads,
-            "llama.attention.key_length": self.head_dim,
-            "llama.attention.value_length": self.head_dim,
-            "llama.rope.dimension_count": self.head_dim,
-            "llama.rope.freq_base": self.rope_theta,
-            "llama.attention.layer_norm_rms_epsilon": self.rms_norm_eps,
+            "general.architecture": a,
+            f"{a}.vocab_size": self.vocab_size,
+            f"{a}.context_length": self.max_position_embeddings,
+            f"{a}.embedding_length": self.hidden_size,
+            f"{a}.block_count": self.num_hidden_layers,
+            f"{a}.feed_forward_length": self.intermediate_size,
+            f"{a}.attention.head_count": self.num_attention_heads,
+            f"{a}.attention.head_count_kv": self.num_key_value_heads,
+            f"{a}.attention.key_length": self.head_dim,
+            f"{a}.attention.value_length": self.head_dim,
+            f"{a}.rope.dimension_count": self.head_dim,
+            f"{a}.rope.freq_base": self.rope_theta,
+            **(scaling if self.rope_scaling_factor != 1.0 else {}),
+            f"{a}.attention.layer_norm_rms_epsilon": self.rms_norm_eps,
         }
 
 
@@ -171,11 +235,16 @@ class Attention(nn.Module):
         d, hd = args.hidden_size, args.head_dim
         self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
         self.scale = hd ** -0.5
-        self.q_proj = nn.Linear(d, self.n_heads * hd, bias=False)
-        self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=False)
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(d, self.n_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * hd, d, bias=False)
+        # qwen3 normalises each head of the queries and keys; elsewhere the heads pass unchanged
+        self.q_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps) if args.qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps) if args.qk_norm else nn.Identity()
         self.head_dim, self.rope_theta = hd, args.rope_theta
+        self.rope_traditional, self.rope_scale = args.rope_traditional, 1.0 / args.rope_scaling_factor
         self._rope_freqs = None  # wavelengths; the underscore keeps them out of the parameters
         if args.rope_freq_factors is not None:
             # llama.cpp divides each rotation frequency by its factor; MLX takes wavelengths
@@ -185,7 +254,7 @@ class Attention(nn.Module):
 
     def rope(self, x: mx.array, offset: int) -> mx.array:
         base = None if self._rope_freqs is not None else self.rope_theta
-        return mx.fast.rope(x, self.head_dim, traditional=True, base=base, scale=1.0,
+        return mx.fast.rope(x, self.head_dim, traditional=self.rope_traditional, base=base, scale=self.rope_scale,
                             offset=offset, freqs=self._rope_freqs)
 
     def qkv(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
@@ -195,8 +264,8 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array, mask=None, cache: Cache | None = None) -> mx.array:
         B, L, _ = x.shape
         q, k, v = self.qkv(x)
-        q = q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)     # (B,H,L,D)
-        k = k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)  # (B,Hkv,L,D)
+        q = self.q_norm(q.reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)     # (B,H,L,D)
+        k = self.k_norm(k.reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)  # (B,Hkv,L,D)
         v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         offset = cache.offset if cache is not None else 0
         q, k = self.rope(q, offset), self.rope(k, offset)

@@ -65,39 +65,57 @@ def random_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator
 
 
 def _random_f16(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Random float16 (rows, cols) with |x| in [2^-7, 2^-5), sign random, made from raw bits."""
+    """Random float16 (rows, cols), sign random, made from raw bits: |x| in [s/4, s) for the power of two s
+    nearest 2 / sqrt(cols), so a row times a unit-RMS input is about 1 (scores and logits that matter)."""
+    e = 15 + round(np.log2(2 / np.sqrt(cols))) - 2   # biased exponent of s/4
     bits = _random_bytes(rows * cols * 2, rng).view("<u2").reshape(rows, cols)
-    return ((bits & 0x87FF) | 0x2000).view("<f2")
+    bits &= 0x87FF                                     # sign, mantissa and the exponent's lowest bit (0 or 1)
+    bits += np.uint16(e << 10)                         # exponent e or e + 1
+    return bits.view("<f2")
 
 
-def write_random_model(path: str | Path, args: ModelArgs, file_type: str = "Q4_K", seed: int = 0) -> Path:
-    """A llama GGUF of args' shape with random weights, typed per tensor as llama.cpp's quantizer
-    would type a `file_type` file (quantize.tensor_types: "Q4_K_M" mixes Q4_K and Q6_K; "Q4_K",
-    "Q8_0", "F16", ...), norms F32 -- for speed measurements, e.g. Llama-3.1-8B:
-    ModelArgs(128256, 4096, 32, 14336, 32, 8, tie_word_embeddings=False) (4.9 GB in Q4_K_M).
-    Blocks are random bytes with valid scales: nothing is quantized, so 5 GB take seconds. The file has no
-    tokenizer ("none"), so llama.cpp's llama-bench runs on the same file. Returns path."""
-    rng = np.random.default_rng(seed)
-    d, hd = args.hidden_size, args.head_dim
+def tensor_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every tensor llama.cpp loads for a model of args' architecture and shape, by GGUF name, in GGUF's
+    order of dimensions reversed (rows first, as numpy and our reader give them)."""
+    d, hd, q, kv = args.hidden_size, args.head_dim, args.num_attention_heads, args.num_key_value_heads
     shapes = {"token_embd.weight": (args.vocab_size, d), "output_norm.weight": (d,)}
     if not args.tie_word_embeddings:
         shapes["output.weight"] = (args.vocab_size, d)
     for i in range(args.num_hidden_layers):
         p = f"blk.{i}."
         shapes.update({p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,),
-                       p + "attn_q.weight": (args.num_attention_heads * hd, d),
-                       p + "attn_k.weight": (args.num_key_value_heads * hd, d),
-                       p + "attn_v.weight": (args.num_key_value_heads * hd, d),
-                       p + "attn_output.weight": (d, args.num_attention_heads * hd),
+                       p + "attn_q.weight": (q * hd, d), p + "attn_k.weight": (kv * hd, d),
+                       p + "attn_v.weight": (kv * hd, d), p + "attn_output.weight": (d, q * hd),
                        p + "ffn_gate.weight": (args.intermediate_size, d),
                        p + "ffn_up.weight": (args.intermediate_size, d),
                        p + "ffn_down.weight": (d, args.intermediate_size)})
+        if args.attention_bias:
+            shapes.update({p + "attn_q.bias": (q * hd,), p + "attn_k.bias": (kv * hd,), p + "attn_v.bias": (kv * hd,)})
+        if args.qk_norm:
+            shapes.update({p + "attn_q_norm.weight": (hd,), p + "attn_k_norm.weight": (hd,)})
+    return shapes
+
+
+def write_random_model(path: str | Path, args: ModelArgs, file_type: str = "Q4_K", seed: int = 0) -> Path:
+    """A GGUF of args' architecture (llama, qwen2, qwen3) and shape with random weights, typed per tensor
+    as llama.cpp's quantizer would type a `file_type` file (quantize.tensor_types: "Q4_K_M" mixes Q4_K and
+    Q6_K; "Q4_K", "Q8_0", "F16", "F32", ...), vectors (norms, biases) F32 as llama.cpp's converter writes
+    them -- for speed measurements, e.g. Llama-3.1-8B:
+    ModelArgs(128256, 4096, 32, 14336, 32, 8, tie_word_embeddings=False) (4.9 GB in Q4_K_M).
+    Blocks are random bytes with valid scales: nothing is quantized, so 5 GB take seconds. Float matrices
+    are scaled for their width and norms drawn from [0.5, 1.5), so a float file is also a fair test of a
+    decoder against llama.cpp. The file has no tokenizer ("none"), so llama.cpp's llama-bench runs on the
+    same file. Returns path."""
+    rng = np.random.default_rng(seed)
+    shapes = tensor_shapes(args)
     infos = {n: gguf.TensorInfo(n, ggml.GGMLType.F32, s, 0, 0) for n, s in shapes.items()}
     tensors = {}
     for name, t in quantize.tensor_types(infos, file_type).items():
         shape = shapes[name]
-        if len(shape) == 1:
-            tensors[name] = np.ones(shape, np.float32)
+        if name.endswith(".bias"):
+            tensors[name] = rng.uniform(-0.5, 0.5, shape).astype(np.float32)
+        elif len(shape) == 1:
+            tensors[name] = rng.uniform(0.5, 1.5, shape).astype(np.float32)
         elif t == "F32":
             tensors[name] = _random_f16(*shape, rng).astype(np.float32)
         elif t == "F16":
@@ -105,7 +123,8 @@ def write_random_model(path: str | Path, args: ModelArgs, file_type: str = "Q4_K
         else:
             tensors[name] = gguf.TensorData(ggml.GGMLType[t], shape, random_blocks(t, *shape, rng))
     # no tokenizer: llama.cpp then adds vocab_size dummy tokens, which is all llama-bench needs
-    gguf.write(path, {**args.gguf_metadata(), "tokenizer.ggml.model": "none"}, tensors)
+    meta = {**args.gguf_metadata(), "general.file_type": quantize.FILE_TYPES[file_type].ftype}
+    gguf.write(path, {**meta, "tokenizer.ggml.model": "none"}, tensors)
     return Path(path)
 
 

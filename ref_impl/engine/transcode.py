@@ -319,7 +319,8 @@ def swap_quantized(model: nn.Module, f: gguf.GGUFFile, names: dict[str, str], sc
     """Swap every matrix of `model` that `f` holds in a mapped GGML type for a QuantizedLinear or
     QuantizedEmbedding with the file's bits, and return the arrays to load into it, by GGUF name:
     its codes, and its scales and biases in `scale_dtype` (float32 makes every mapping but Q6_K exact;
-    with float16 activations it also makes matmuls return float32).
+    with float16 activations it also makes matmuls return float32). A projection's own bias (qwen2's q, k, v)
+    stays a float parameter of the new layer, loaded like the norms.
 
     names: GGUF tensor name -> parameter name (checkpoint.gguf_weight_names). A matrix of a type with
     no mapping is left as it is, to be loaded as floats like the norms, and logged; `plan(f)` gives
@@ -342,7 +343,7 @@ def swap_quantized(model: nn.Module, f: gguf.GGUFFile, names: dict[str, str], sc
         if isinstance(modules[path], nn.Embedding):
             q = nn.QuantizedEmbedding(rows, n, group_size=a.group_size, bits=a.bits)
         else:
-            q = nn.QuantizedLinear(n, rows, bias=False, group_size=a.group_size, bits=a.bits)
+            q = nn.QuantizedLinear(n, rows, bias="bias" in modules[path], group_size=a.group_size, bits=a.bits)
         swaps.append((path, q))
         weights[name] = [(f"{path}.weight", mx.array(a.weight)),
                          (f"{path}.scales", mx.array(a.scales).astype(scale_dtype)),
