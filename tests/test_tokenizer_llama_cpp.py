@@ -114,6 +114,14 @@ def test_tokenize_agrees(pair):
     assert (tok.bos_id, tok.eos_id) == (llm.token_bos(), llm.token_eos())
 
 
+def test_generation_ends_where_llama_cpp_ends_it(pair):
+    """Our end-of-generation tokens are llama.cpp's (llama_vocab_is_eog over the whole vocabulary)."""
+    _, _, tok, llm = pair
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    theirs = {i for i in range(tok.vocab_size) if llama_cpp.llama_vocab_is_eog(vocab, i)}
+    assert tok.end_ids == theirs, (sorted(tok.end_ids - theirs)[:5], sorted(theirs - tok.end_ids)[:5])
+
+
 def test_decode_agrees(pair):
     """decode gives llama.cpp's pieces joined (less the SentencePiece leading space): round trips where they do."""
     _, _, tok, llm = pair

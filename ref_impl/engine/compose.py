@@ -238,7 +238,7 @@ def generate(model: Model, tokenizer: Tokenizer, prompt: str | list[int], max_to
         out.proposed, out.accepted = out.proposed + step.proposed, out.accepted + step.accepted
         done = False
         for token in step.tokens:
-            done = len(out.tokens) == max_tokens or stop_at_eos and token == tokenizer.eos_id
+            done = len(out.tokens) == max_tokens or stop_at_eos and token in tokenizer.end_ids
             if done:
                 break
             out.tokens.append(token)

@@ -112,6 +112,17 @@ CONTROL_TEXTS = frozenset({
     "<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581end\uff5c>", "<\uff5cfim\u2581hole\uff5c>", "[PAD]",
     "\u2581<MID>", "\u2581<PRE>", "\u2581<SUF>"})
 
+# Where generation ends, by token text as llama.cpp decides it: the markers that close a text, a turn or a message,
+# and the fill-in-the-middle pad, repository and file-separator tokens, besides EOS. Without them a chat would run
+# on past the model's turn in files whose EOS is another token (Llama 3 Instruct: EOS <|end_of_text|>, turns
+# <|eot_id|>).
+END_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+    "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]",                               # fill-in-the-middle pad
+    "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>"})  # repository, file
+
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> stand-in character table: printable bytes stand for themselves."""
@@ -161,6 +172,7 @@ class Tokenizer:
         self.hf = self._build_bpe() if model == "gpt2" else self._build_spm()
         self.control = {i for i, (t, ty) in enumerate(zip(self.tokens, self.token_types))
                         if ty == TOKEN_CONTROL or t in CONTROL_TEXTS}
+        self.end_ids = frozenset({self.eos_id} | {i for i, t in enumerate(self.tokens) if t in END_TEXTS})
         self.hf.add_tokens([AddedToken(t, special=i in self.control, normalized=False)
                             for i, (t, ty) in enumerate(zip(self.tokens, self.token_types))
                             if i in self.control or ty == TOKEN_USER_DEFINED])
