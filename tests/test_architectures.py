@@ -255,3 +255,27 @@ def test_rope_freqs_belong_to_llama_files(files):
         with gguf.read(files[variant]) as f:
             with pytest.raises(ValueError, match=f"a {variant} file with rope_freqs.weight"):
                 ModelArgs.from_gguf(f.metadata, f.tensors, rope_freq_factors=(1.0,) * 32)
+
+
+def test_a_random_file_can_carry_a_real_vocabulary(tmp_path):
+    """write_random_model(tokenizer=...) writes a vocabulary's tokenizer keys (here llama.cpp's Llama 2 test file),
+    which load as that tokenizer; a vocabulary of another size than the model's is refused."""
+    from ref_impl import VOCAB_DIR
+    from ref_impl.engine.checkpoint import load
+
+    with gguf.read(VOCAB_DIR / "ggml-vocab-llama-spm.gguf") as f:
+        vocab = dict(f.metadata)
+    args = ModelArgs(len(vocab["tokenizer.ggml.tokens"]), 64, 1, 128, 4, 2)
+    path = write_random_model(tmp_path / "spm.gguf", args, "F32", tokenizer=vocab)
+    _, tok = load(path)
+    assert (tok.model, tok.vocab_size, tok.bos_id) == ("llama", args.vocab_size, vocab["tokenizer.ggml.bos_token_id"])
+    assert tok.encode("Hello world") == llama_cpp_ids(path, "Hello world")
+    with pytest.raises(ValueError, match="tokens, the model"):
+        write_random_model(tmp_path / "bad.gguf", replace(args, vocab_size=args.vocab_size - 1), "F32", tokenizer=vocab)
+
+
+def llama_cpp_ids(path: Path, text: str) -> list[int]:
+    import llama_cpp
+
+    return llama_cpp.Llama(model_path=str(path), n_ctx=16, verbose=False).tokenize(text.encode(), add_bos=False,
+                                                                                     special=False)

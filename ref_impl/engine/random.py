@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -96,7 +97,8 @@ def tensor_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def write_random_model(path: str | Path, args: ModelArgs, file_type: str = "Q4_K", seed: int = 0) -> Path:
+def write_random_model(path: str | Path, args: ModelArgs, file_type: str = "Q4_K", seed: int = 0,
+                       tokenizer: dict[str, Any] | None = None) -> Path:
     """A GGUF of args' architecture (llama, qwen2, qwen3) and shape with random weights, typed per tensor
     as llama.cpp's quantizer would type a `file_type` file (quantize.tensor_types: "Q4_K_M" mixes Q4_K and
     Q6_K; "Q4_K", "Q8_0", "F16", "F32", ...), vectors (norms, biases) F32 as llama.cpp's converter writes
@@ -105,7 +107,11 @@ def write_random_model(path: str | Path, args: ModelArgs, file_type: str = "Q4_K
     Blocks are random bytes with valid scales: nothing is quantized, so 5 GB take seconds. Float matrices
     are scaled for their width and norms drawn from [0.5, 1.5), so a float file is also a fair test of a
     decoder against llama.cpp. The file has no tokenizer ("none"), so llama.cpp's llama-bench runs on the
-    same file. Returns path."""
+    same file, unless `tokenizer` gives one: the `tokenizer.*` keys of a real vocabulary (and its chat template),
+    whose size must be args.vocab_size. Returns path."""
+    if tokenizer is not None and len(tokenizer.get("tokenizer.ggml.tokens", ())) != args.vocab_size:
+        raise ValueError(f"the tokenizer holds {len(tokenizer.get('tokenizer.ggml.tokens', ()))} tokens, the model "
+                         f"{args.vocab_size}: make vocab_size the vocabulary's size")
     rng = np.random.default_rng(seed)
     shapes = tensor_shapes(args)
     infos = {n: gguf.TensorInfo(n, ggml.GGMLType.F32, s, 0, 0) for n, s in shapes.items()}
@@ -122,9 +128,10 @@ def write_random_model(path: str | Path, args: ModelArgs, file_type: str = "Q4_K
             tensors[name] = _random_f16(*shape, rng)
         else:
             tensors[name] = gguf.TensorData(ggml.GGMLType[t], shape, random_blocks(t, *shape, rng))
-    # no tokenizer: llama.cpp then adds vocab_size dummy tokens, which is all llama-bench needs
+    # no tokenizer ("none"): llama.cpp then adds vocab_size dummy tokens, which is all llama-bench needs
     meta = {**args.gguf_metadata(), "general.file_type": quantize.FILE_TYPES[file_type].ftype}
-    gguf.write(path, {**meta, "tokenizer.ggml.model": "none"}, tensors)
+    vocab = {k: v for k, v in (tokenizer or {}).items() if k.startswith("tokenizer.")}
+    gguf.write(path, {**meta, **(vocab or {"tokenizer.ggml.model": "none"})}, tensors)
     return Path(path)
 
 
