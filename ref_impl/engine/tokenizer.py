@@ -172,7 +172,7 @@ class Tokenizer:
         self.hf = self._build_bpe() if model == "gpt2" else self._build_spm()
         self.control = {i for i, (t, ty) in enumerate(zip(self.tokens, self.token_types))
                         if ty == TOKEN_CONTROL or t in CONTROL_TEXTS}
-        self.end_ids = frozenset({self.eos_id} | {i for i, t in enumerate(self.tokens) if t in END_TEXTS})
+        self.end_markers = frozenset(i for i, t in enumerate(self.tokens) if t in END_TEXTS)
         self.hf.add_tokens([AddedToken(t, special=i in self.control, normalized=False)
                             for i, (t, ty) in enumerate(zip(self.tokens, self.token_types))
                             if i in self.control or ty == TOKEN_USER_DEFINED])
@@ -226,6 +226,11 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self.tokens)
+
+    @property
+    def end_ids(self) -> frozenset[int]:
+        """The tokens that end generation: EOS and the vocabulary's END_TEXTS markers (llama.cpp's set)."""
+        return self.end_markers | {self.eos_id}
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         """Token ids for `text`, with BOS in front when `bos` is true and EOS at the end when `eos` is."""
