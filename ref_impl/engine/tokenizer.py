@@ -98,20 +98,6 @@ PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
     "deepseek-coder": (("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}"), False),
 }
 
-# Token texts llama.cpp treats as control whatever their stored type (end-of-generation and
-# fill-in-the-middle markers, llama-vocab.cpp `load`): typed in a prompt they are plain text,
-# and decoding drops them.
-CONTROL_TEXTS = frozenset({
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
-    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
-    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>",
-    "[e~[", "<MID>", "<PAD>", "<PRE>", "<REPO>", "<SUF>", "<fim-middle>", "<fim-pad>", "<fim-prefix>", "<fim-repo>",
-    "<fim-suffix>", "<fim_middle>", "<fim_pad>", "<fim_prefix>", "<fim_suffix>", "<reponame>", "<|code_middle|>",
-    "<|code_prefix|>", "<|code_suffix|>", "<|file_sep|>", "<|fim_middle|>", "<|fim_pad|>", "<|fim_prefix|>",
-    "<|fim_repo|>", "<|fim_suffix|>", "<|middle|>", "<|prefix|>", "<|repo_name|>", "<|suffix|>",
-    "<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581end\uff5c>", "<\uff5cfim\u2581hole\uff5c>", "[PAD]",
-    "\u2581<MID>", "\u2581<PRE>", "\u2581<SUF>"})
-
 # Where generation ends, by token text as llama.cpp decides it: the markers that close a text, a turn or a message,
 # and the fill-in-the-middle pad, repository and file-separator tokens, besides EOS. Without them a chat would run
 # on past the model's turn in files whose EOS is another token (Llama 3 Instruct: EOS <|end_of_text|>, turns
@@ -122,6 +108,16 @@ END_TEXTS = frozenset({
     "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
     "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]",                               # fill-in-the-middle pad
     "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>"})  # repository, file
+
+# Token texts llama.cpp treats as control whatever their stored type (llama-vocab.cpp `load`): the end markers
+# and the other fill-in-the-middle markers. Typed in a prompt they are plain text, and decoding drops them.
+CONTROL_TEXTS = END_TEXTS | frozenset({
+    "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<\uff5cfim\u2581begin\uff5c>", "<PRE>", "\u2581<PRE>",
+    "<|code_prefix|>", "<|prefix|>",                                                             # prefix
+    "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>", "<SUF>", "\u2581<SUF>",
+    "<|code_suffix|>", "<|suffix|>",                                                             # suffix
+    "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<\uff5cfim\u2581end\uff5c>", "<MID>", "\u2581<MID>",
+    "<|code_middle|>", "<|middle|>"})                                                            # middle
 
 
 def bytes_to_unicode() -> dict[int, str]:
