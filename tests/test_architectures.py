@@ -5,7 +5,7 @@ Each file is written by engine/random.write_random_model the way llama.cpp's con
 logits within test_llama_cpp's ATOL, greedy tokens equal, its quantized forms loaded natively (against
 llama.cpp on the very weights they hold, dequantized by the `gguf` package), every KV-cache scheme
 through a decode step, and any other architecture refused. One file has the full width and vocabulary
-of a public model (Qwen3-0.6B, Llama-3.2-1B) with one layer.
+of a public model (Qwen3-0.6B, Llama-3.2-1B, TinyLlama-1.1B with its SentencePiece vocabulary) with one layer.
 """
 
 from __future__ import annotations
@@ -120,24 +120,40 @@ def test_rope_style_and_scaling_matter(files, tmp_path):
         assert np.abs(logits(ours(files[original]), IDS) - theirs).max() > 100 * ATOL
 
 
-FULL_WIDTH = {   # one layer of each: llama.cpp and ours on a real model's matrices and vocabulary
-    "Qwen3-0.6B": ModelArgs(151936, 1024, 1, 3072, 16, 8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
-                            max_position_embeddings=40960, architecture="qwen3"),
-    "Llama-3.2-1B": replace(args_for("Llama-3.2-1B", 131072), num_hidden_layers=1, rope_theta=5e5),
+FULL_WIDTH = {   # one layer of each: llama.cpp and ours on a real model's matrices and vocabulary size; the
+    # SentencePiece family's (TinyLlama: Llama 2's 32000 tokens) with that real vocabulary, llama.cpp's test file
+    "Qwen3-0.6B": (ModelArgs(151936, 1024, 1, 3072, 16, 8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
+                             max_position_embeddings=40960, architecture="qwen3"), None),
+    "Llama-3.2-1B": (replace(args_for("Llama-3.2-1B", 131072), num_hidden_layers=1, rope_theta=5e5), None),
+    "TinyLlama-1.1B": (ModelArgs(32000, 2048, 1, 5632, 32, 4, max_position_embeddings=2048,
+                                 tie_word_embeddings=False), "llama-spm"),
 }
 
 
 @pytest.mark.parametrize("name", list(FULL_WIDTH))
 def test_full_width_matches_llama_cpp(tmp_path, name):
-    """A public model's width, heads, head size and vocabulary (Qwen3's 151936 tokens, Llama 3's 128256)."""
-    args = FULL_WIDTH[name]
-    path = write_random_model(tmp_path / f"{name}-1layer.gguf", args, "F32")
+    """A public model's width, heads, head size and vocabulary (Qwen3's 151936 tokens, Llama 3's 128256, Llama 2's
+    32000 SentencePiece tokens, which also tokenize as llama.cpp tokenizes them)."""
+    from ref_impl import VOCAB_DIR
+    from ref_impl.engine.tokenizer import Tokenizer
+
+    args, vocab = FULL_WIDTH[name]
+    metadata = None
+    if vocab:
+        with gguf.read(VOCAB_DIR / f"ggml-vocab-{vocab}.gguf") as f:
+            metadata = dict(f.metadata)
+    path = write_random_model(tmp_path / f"{name}-1layer.gguf", args, "F32", tokenizer=metadata)
     ids = [int(i) for i in np.random.default_rng(1).integers(0, args.vocab_size, 16)]
-    theirs = llama_logits(make_llama(path, CONTEXT), ids)
+    llm = make_llama(path, CONTEXT)
+    theirs = llama_logits(llm, ids)
     model = ours(path)
     assert same_args(model.args, args)
     diff = np.abs(logits(model, ids) - theirs).max()
     assert diff <= ATOL, f"{name} width: max |logit diff| = {diff:.3e}"
+    if vocab:
+        text = "Hello world, naïve café: 1234 tokens\n\tdef f(x): return x"
+        ours_ids = Tokenizer.from_gguf_metadata(metadata).encode(text)
+        assert ours_ids == llm.tokenize(text.encode(), add_bos=False, special=False)
 
 
 # --- quantized weights ----------------------------------------------------------------------------
