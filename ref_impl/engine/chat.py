@@ -35,7 +35,7 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ref_impl.engine.tokenizer import TOKEN_CONTROL, TOKEN_USER_DEFINED, Tokenizer
+from ref_impl.engine.tokenizer import TOKEN_USER_DEFINED, Tokenizer
 
 TEMPLATE_KEY = "tokenizer.chat_template"
 
@@ -97,11 +97,11 @@ def chat_prompt(metadata: dict[str, Any], source: str, user: str, system: str | 
 
 
 def encode(tokenizer: Tokenizer, text: str) -> list[int]:
-    """Token ids of rendered chat text: each special token's text (control and user-defined tokens, longest
-    first) becomes its id, the text between is encoded as ordinary text; BOS first when the vocabulary adds
-    BOS and the text does not already begin with it."""
-    special = {t: i for i, (t, kind) in enumerate(zip(tokenizer.tokens, tokenizer.token_types))
-               if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED) and t}
+    """Token ids of rendered chat text: each special token's text (the tokenizer's control tokens, typed as
+    llama.cpp types them, and user-defined tokens; longest first) becomes its id, the text between is encoded
+    as ordinary text; BOS first when the vocabulary adds BOS and the text does not already begin with it."""
+    special = {tokenizer.tokens[i]: i for i, kind in enumerate(tokenizer.token_types)
+               if (i in tokenizer.control or kind == TOKEN_USER_DEFINED) and tokenizer.tokens[i]}
     pattern = "|".join(re.escape(t) for t in sorted(special, key=len, reverse=True))
     ids = []
     for k, part in enumerate(re.split(f"({pattern})", text) if special else [text]):  # odd parts: special tokens
