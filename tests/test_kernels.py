@@ -37,10 +37,12 @@ import numpy as np
 from ref_impl import MODELS_DIR, kernels
 from ref_impl.engine.checkpoint import load
 from ref_impl.engine.generate import Sampler, generate_step
+from ref_impl.engine.model import ModelArgs, TransformerBlock
 from ref_impl.engine.random import args_for, random_model
-from ref_impl.kernels import cuda, layers
+from ref_impl.kernels import cuda, decoder, decoder_cuda, layers
 from ref_impl.measure import kernels as suite
 from ref_impl.measure.kernels import bench_kernels
+from ref_impl.measure.records import dtype_name
 from ref_impl.platform.timing import clock
 from ref_impl.theory.roofline import matmul_shapes
 from ref_impl.theory.shapes import PUBLIC
@@ -462,8 +464,6 @@ def test_bench_kernels_off_cuda_is_one_skipped_record(tmp_path, monkeypatch):
 def test_bench_kernels_quick_flow_with_stand_in_kernels(tmp_path):
     """bench --kernels --quick end to end on the CPU, our kernels stood in for by MLX's matmuls: every decode
     variant (compiled or not) is timed and its tokens match MLX's built-ins exactly."""
-    from ref_impl.engine.model import ModelArgs
-
     cuda = compile_adds_primitives()   # (stand-ins are several primitives each: not counted)
     with stand_in_kernels():
         args = ModelArgs(512, 256, 2, 512, 4, 2, tie_word_embeddings=False)
@@ -712,6 +712,246 @@ def test_patched_decoder_keeps_greedy_tokens():
         a, b = ref(mx.array([want[12:16]]), caches[0]), model(mx.array([want[12:16]]), caches[1])
         for i in range(4):
             assert near_tie_or_equal(a[0, i], b[0, i]), f"{quant}: 4-row verification differs beyond a near tie"
+
+
+# --- the fused decoder layer (kernels/decoder.py) ----------------------------------------------------------
+
+def layer_model(hidden: int, heads: int, kv_heads: int, inter: int, quant: str, arch: str = "llama",
+                dtype: mx.Dtype = mx.float16, layers: int = 1, seed: int = 0) -> nn.Module:
+    """A random model of one Llama layer shape: quant "f16" (dense), "q4q8" (4-bit groups of 32, v and down
+    8-bit: a Q4_K_M file's mix), "q4g64" (nn.quantize's default group)."""
+    args = ModelArgs(vocab_size=512, hidden_size=hidden, num_hidden_layers=layers, intermediate_size=inter,
+                     num_attention_heads=heads, num_key_value_heads=kv_heads, architecture=arch,
+                     tie_word_embeddings=False, rope_theta=500000.0)
+    model = random_model(args, dtype, seed)
+    if quant == "q4q8":
+        nn.quantize(model, class_predicate=lambda path, m: isinstance(m, nn.Linear) and {
+            "group_size": 32, "bits": 8 if path.endswith(("v_proj", "down_proj")) else 4})
+    elif quant == "q4g64":
+        nn.quantize(model, group_size=64, bits=4, class_predicate=lambda path, m: isinstance(m, nn.Linear))
+    mx.eval(model.parameters())
+    return model
+
+
+def dense64(layer: nn.Module) -> np.ndarray:
+    """A projection's weights (n, k) in float64, from mx.dequantize of its own arrays."""
+    if isinstance(layer, nn.QuantizedLinear):
+        w = mx.dequantize(layer.weight, layer.scales.astype(mx.float32), layer.biases.astype(mx.float32),
+                          layer.group_size, layer.bits)
+        return np.array(w).astype(np.float64)
+    return as_f64(layer.weight)
+
+
+def layer_oracle(block: nn.Module, x: mx.array, keys: np.ndarray, values: np.ndarray, pos: int) -> dict:
+    """One decode step of a Llama layer in float64, rounding to the activation type (float16 or bfloat16)
+    wherever MLX's graph stores an intermediate: the rotated query, the new key and value, the attention
+    output, h after attention, the MLP hidden, and y. keys/values (H_kv, >= pos, D) hold positions < pos."""
+    dt = x.dtype
+    r = lambda a: np.array(mx.array(a.astype(np.float32)).astype(dt).astype(mx.float32)).astype(np.float64)
+    attn, mlp = block.self_attn, block.mlp
+    H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
+
+    def norm(v: np.ndarray, layer: nn.Module) -> np.ndarray:
+        return r(r(v / np.sqrt(np.mean(v * v) + layer.eps)) * as_f64(layer.weight))
+
+    def rope(v: np.ndarray) -> np.ndarray:       # (heads, D), every head at position pos
+        wavelengths = (np.array(attn._rope_freqs, dtype=np.float64) if attn._rope_freqs is not None
+                       else attn.rope_theta ** (np.arange(0, D, 2) / D))
+        ang = pos * attn.rope_scale / wavelengths
+        i0 = np.arange(0, D, 2) if attn.rope_traditional else np.arange(D // 2)
+        i1 = i0 + 1 if attn.rope_traditional else i0 + D // 2
+        out = v.copy()
+        out[:, i0] = v[:, i0] * np.cos(ang) - v[:, i1] * np.sin(ang)
+        out[:, i1] = v[:, i0] * np.sin(ang) + v[:, i1] * np.cos(ang)
+        return r(out)
+
+    xf = as_f64(x).ravel()
+    xn = norm(xf, block.input_layernorm)
+    q = rope(r(dense64(attn.q_proj) @ xn).reshape(H, D))
+    k = rope(r(dense64(attn.k_proj) @ xn).reshape(Hkv, D))
+    v = r(dense64(attn.v_proj) @ xn).reshape(Hkv, D)
+    K = np.concatenate([keys[:, :pos], k[:, None]], axis=1)
+    V = np.concatenate([values[:, :pos], v[:, None]], axis=1)
+    o = np.empty((H, D))
+    for h in range(H):
+        s = K[h // (H // Hkv)] @ q[h] * attn.scale
+        p = np.exp(s - s.max())
+        o[h] = p @ V[h // (H // Hkv)] / p.sum()
+    h = r(xf + r(dense64(attn.o_proj) @ r(o.ravel())))
+    hn = norm(h, block.post_attention_layernorm)
+    g, u = r(dense64(mlp.gate_proj) @ hn), r(dense64(mlp.up_proj) @ hn)
+    a = r(r(g * r(1 / (1 + np.exp(-g)))) * u)
+    return {"q": q.ravel(), "k": k, "v": v, "h": h, "a": a, "y": r(h + r(dense64(mlp.down_proj) @ a))}
+
+
+def close(got: np.ndarray, want: np.ndarray) -> float:
+    """The largest error relative to the stage's largest value; the fused layer rounds where the oracle does,
+    so what remains is float32 summation order and the roundings it flips (an ulp of the type, 2^-8 for
+    float16 after a few stages): 2^-7 of the largest value bounds it, a wrong row, rotation or scale does not."""
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def test_fused_layer_says_why_it_leaves_a_layer():
+    assert decoder.why_not(layer_model(256, 8, 2, 512, "f16").layers[0]) is None
+    assert decoder.why_not(layer_model(256, 8, 2, 512, "q4q8").layers[0]) is None
+    assert "norms" in decoder.why_not(layer_model(256, 8, 2, 512, "f16", "qwen3").layers[0])
+    assert "head size 48" in decoder.why_not(layer_model(384, 8, 2, 512, "f16").layers[0])
+    assert "format" in decoder.why_not(layer_model(256, 8, 2, 512, "f16", dtype=mx.float32).layers[0])
+    wide_norm = layer_model(256, 8, 2, 512, "f16").layers[0]
+    wide_norm.input_layernorm.weight = wide_norm.input_layernorm.weight.astype(mx.float32)
+    assert "float types" in decoder.why_not(wide_norm)
+    mixed = layer_model(256, 8, 2, 512, "f16")
+    nn.quantize(mixed, group_size=32, bits=4, class_predicate=lambda path, m: path.endswith("o_proj"))
+    assert "mixed" in decoder.why_not(mixed.layers[0])
+    odd = layer_model(256, 8, 2, 512, "f16")
+    nn.quantize(odd, class_predicate=lambda path, m: isinstance(m, nn.Linear) and {
+        "group_size": 64 if path.endswith("up_proj") else 32, "bits": 4})
+    assert "gate and up" in decoder.why_not(odd.layers[0])
+    five = layer_model(256, 8, 2, 512, "f16")
+    nn.quantize(five, group_size=32, bits=5, class_predicate=lambda path, m: isinstance(m, nn.Linear))
+    assert "format" in decoder.why_not(five.layers[0])
+    biased = layer_model(256, 8, 2, 512, "f16", "qwen2")
+    biased.layers[0].self_attn.q_proj = nn.Linear(256, 256, bias=True)
+    biased.layers[0].self_attn.q_proj.set_dtype(mx.float16)
+    assert "q_proj" in decoder.why_not(biased.layers[0])
+
+
+def test_fused_layer_launches_cover_every_row():
+    """The 8B layer's launch geometry: every output row (attn_in: every RoPE pair) has a warp, no block is
+    wholly idle, each staged row fits its shared memory, attend splits the keys."""
+    block = TransformerBlock(args_for("Llama-3.1-8B"))       # lazy: only shapes are read, nothing is computed
+    nn.quantize(block, class_predicate=lambda path, m: isinstance(m, nn.Linear) and {
+        "group_size": 32, "bits": 8 if path.endswith(("v_proj", "down_proj")) else 4})
+    block.set_dtype(mx.float16)
+    plan = decoder.launches(block)
+    rows = {"attn_in": (32 + 16) * 128, "attn_out": 4096, "mlp_in": 14336, "mlp_out": 4096}
+    for name, n in rows.items():
+        warps = plan.grids[name] // 32
+        need = -(-n // decoder.ROWS_PER_WARP)
+        assert need <= warps < need + decoder.WARPS, (name, warps, need)
+        assert plan.grids[name] % plan.threads[name] == 0
+    widths = {"attn_in": 4096, "attn_out": 4096, "mlp_in": 4096, "mlp_out": 14336}
+    for name, k in widths.items():      # the last padded index, k - 1 + (k - 1) // 32, fits
+        assert plan.shared[name] >= 4 * (k + (k - 1) // 32)
+    assert plan.shared["attend"] == 4 * decoder.ATTEND_WARPS * 4 * 130
+    assert dict(plan.templates["attn_in"])["B2"] == 8 and dict(plan.templates["mlp_out"])["B0"] == 8
+    assert [decoder.splits(n, 8) for n in (1, 256, 257, 8192, 10 ** 6)] == [1, 1, 2, 32, decoder.MAX_SPLITS]
+
+
+def test_fused_layer_sources_match_their_inputs():
+    """Each body names only inputs it is given and the shapes it reads; kernel names change with the source."""
+    for name, (inputs, outputs, body) in decoder_cuda.SOURCES.items():
+        for shape in re.findall(r"(\w+)_shape", body):
+            assert shape in inputs, (name, shape)
+        for arg in inputs + outputs:
+            assert re.search(rf"\b{arg}\b", body), (name, arg)
+    assert "ref_gemv" in decoder_cuda.HEADER and "namespace ref_layer" in decoder_cuda.HEADER
+
+
+class FakeStep:
+    """A FusedLayer's step for the CPU: the plain layer's output through MLX, the k/v write included."""
+
+    def __init__(self, layer: nn.Module):
+        self.layer, self.calls = layer, 0
+
+    def __call__(self, x: mx.array, cache) -> tuple:
+        self.calls += 1
+        probe = cache.offset
+        y = decoder.TransformerBlock.__call__(self.layer, x, None, cache)
+        cache.offset = probe                # the fused step leaves the offset to the caller
+        return (y,)
+
+
+def test_fused_layer_routes_one_token_steps_only():
+    """A one-token step on a KVCache takes the fused step and advances the cache; a prompt, a quantized cache
+    or the switch off run the plain layer; parameter names do not change; off CUDA fuse swaps nothing."""
+    model = layer_model(256, 8, 2, 512, "f16", layers=2)
+    names = [k for k, _ in nn.utils.tree_flatten(model.parameters())]
+    if not CUDA:
+        reasons = decoder.fuse(model)
+        assert set(reasons) == {0, 1} and "CUDA" in reasons[0]
+        assert not any(isinstance(b, decoder.FusedLayer) for b in model.layers)
+    ref = [model(mx.array([[5, 9, 2]]), c := model.make_cache(16)), model(mx.array([[7]]), c)]
+    model.layers = [decoder.FusedLayer(b) for b in model.layers]
+    assert [k for k, _ in nn.utils.tree_flatten(model.parameters())] == names
+    steps = [FakeStep(b) for b in model.layers]
+    for b, s in zip(model.layers, steps):
+        b.step = s
+    cache = model.make_cache(16)
+    out = [model(mx.array([[5, 9, 2]]), cache), model(mx.array([[7]]), cache)]
+    assert [s.calls for s in steps] == [1, 1] and cache[0].offset == 4
+    assert all(mx.allclose(a, b).item() for a, b in zip(ref, out))
+    model(mx.array([[7]]), model.make_cache(16, scheme="affine8-g32"))
+    assert [s.calls for s in steps] == [1, 1]
+    full = model.make_cache(1)
+    model(mx.array([[7]]), full)
+    with raises(ValueError, "KV cache full"):
+        model(mx.array([[7]]), full)
+
+
+@cuda_only
+def test_fused_layer_against_float64_oracle():
+    """Every kernel of the fused layer (decoder_cuda.py) on random layers: dense float16 and bfloat16, the
+    Q4_K_M mix of 4- and 8-bit groups of 32, 4-bit groups of 64 at Llama-3.1-8B's layer shape; adjacent and
+    half-head RoPE pairs; head sizes 64 and 128; at positions that give attend 1 to 4 key-length splits."""
+    cases = [(512, 8, 2, 1408, "f16", "llama", mx.float16, (0, 5, 300)),
+             (512, 8, 8, 1024, "f16", "qwen2", mx.bfloat16, (1, 260)),
+             (1024, 8, 2, 2816, "q4q8", "qwen2", mx.float16, (3, 700)),
+             (1024, 16, 4, 2048, "q4q8", "llama", mx.float16, (17,)),
+             (4096, 32, 8, 14336, "q4g64", "llama", mx.float16, (1000,))]
+    rng = np.random.default_rng(0)
+    for hidden, heads, kv, inter, quant, arch, dt, positions in cases:
+        model = layer_model(hidden, heads, kv, inter, quant, arch, dt)
+        assert decoder.fuse(model) == {}
+        layer = model.layers[0]
+        D = layer.self_attn.head_dim
+        for pos in positions:
+            cache = model.make_cache(pos + 8)[0]
+            keys = rng.standard_normal((kv, pos + 8, D)).astype(np.float32)
+            values = rng.standard_normal((kv, pos + 8, D)).astype(np.float32)
+            cache.keys, cache.values = (mx.array(a[None]).astype(dt) for a in (keys, values))
+            cache.offset = pos
+            x = (mx.random.normal((1, 1, hidden), key=mx.random.key(pos)) * 2).astype(dt)
+            mx.eval(x, cache.keys, cache.values)
+            keys, values = as_f64(cache.keys)[0], as_f64(cache.values)[0]    # as stored, before the write
+            want = layer_oracle(layer, x, keys, values, pos)
+            query, part, h, a, y = layer.step(x, cache)
+            mx.eval(y)
+            assert part.shape[0] == decoder.splits(pos + 1, kv)
+            got = {"q": as_f64(query).ravel(), "k": as_f64(cache.keys)[0, :, pos], "v": as_f64(cache.values)[0, :, pos],
+                   "h": as_f64(h).ravel(), "a": as_f64(a).ravel(), "y": as_f64(y).ravel()}
+            errs = {s: close(got[s], want[s]) for s in want}
+            print(f"  {quant} {dtype_name(dt)} {arch} d={hidden} H={heads}/{kv} D={D} f={inter} pos {pos} "
+                  f"({part.shape[0]} splits): " + ", ".join(f"{s} {e:.1e}" for s, e in errs.items()), flush=True)
+            assert max(errs.values()) < 2 ** -7, errs
+            untouched = np.delete(np.arange(pos + 8), pos)
+            assert np.array_equal(as_f64(cache.keys)[0][:, untouched], keys[:, untouched]), "other positions changed"
+
+
+@cuda_only
+def test_fused_decoder_keeps_greedy_tokens():
+    """The shipped model in float16 and 4-bit, every layer fused: the same greedy tokens as MLX's built-ins,
+    and a prompt or a speculative verification (several rows) still runs the plain layer on the same cache."""
+    prompt = [3, 17, 42, 5, 96, 11, 64, 23]
+    for quant in (None, (32, 4)):
+        ref, _ = load(SHIPPED, mx.float16)
+        model, _ = load(SHIPPED, mx.float16)
+        for m in (ref, model):
+            if quant:
+                nn.quantize(m, group_size=quant[0], bits=quant[1])
+        assert decoder.fuse(model) == {}
+        want, ids = greedy(ref, prompt, 24), greedy(model, prompt, 24)
+        print(f"  shipped model {quant or 'float16'}, fused layers: greedy tokens equal: {want == ids}", flush=True)
+        caches = ref.make_cache(64), model.make_cache(64)
+        a, b = ref(mx.array([prompt]), caches[0]), model(mx.array([prompt]), caches[1])
+        for t in want[:12]:
+            assert near_tie_or_equal(a[0, -1], b[0, -1]), f"{quant}: greedy token differs beyond a near tie"
+            a, b = ref(mx.array([[t]]), caches[0]), model(mx.array([[t]]), caches[1])
+        a, b = ref(mx.array([want[12:16]]), caches[0]), model(mx.array([want[12:16]]), caches[1])
+        for i in range(4):
+            assert near_tie_or_equal(a[0, i], b[0, i]), f"{quant}: verification after fused steps differs"
+        assert want == ids
+        assert kernels.count_kernels(model) < kernels.count_kernels(ref) / 2
 
 
 # Last: a fault here is sticky for the whole process (as a script it runs in a child process).

@@ -59,7 +59,11 @@ class Cache(ABC):
                 or k.shape[3] != self.head_dim:
             raise ValueError(f"KVCache expects keys/values of shape (B, H, L, D) = "
                              f"{(self.batch, self.n_kv_heads, 'L', self.head_dim)}, got {k.shape} and {v.shape}")
-        end = self.offset + k.shape[2]
+        return self.room(k.shape[2])
+
+    def room(self, n: int) -> int:
+        """The offset after storing n more positions; a ValueError when they do not fit."""
+        end = self.offset + n
         if end > self.max_size:
             raise ValueError(f"KV cache full: {end} positions needed, {self.max_size} allocated "
                              "(raise max_size, or the model's context length is reached)")

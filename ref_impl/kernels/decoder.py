@@ -1,0 +1,278 @@
+"""The fused decoder layer: one decode step of a Llama layer in five CUDA launches.
+
+On MLX's CUDA backend a decode step is host-bound: MLX builds and encodes each primitive of the step's graph
+on the host, ~10 µs apiece, and a Llama-3.1-8B token has ~580 of them (measured in results/), more host time
+than the GPU needs to read the weights. Fusing GEMVs (patching.py) only trims that count; `FusedLayer` runs a
+whole layer's decode step as five `mx.fast.cuda_kernel` launches (source in decoder_cuda.py):
+
+    attn_in   RMSNorm, the q, k and v projections, RoPE, k and v written into the layer's KVCache
+    attend    attention of the new query over the cache, split over the key length (grouped-query aware)
+    attn_out  the splits merged, the output projection, the residual
+    mlp_in    RMSNorm, silu(gate) * up
+    mlp_out   the down projection, the residual
+
+so an 8B token is ~165 primitives. Each kernel reads the weights as the GEMV kernels do (launch.py: 16-byte
+chunks, codes decoded with float tricks, a group's scale and bias applied once per chunk) from an input row
+staged in shared memory, and rounds to the activation type wherever MLX's graph stores an intermediate, so the
+layer computes what the unfused layer computes, up to float32 summation order.
+
+The write into the cache happens inside attn_in, in place: the cache's buffers are inputs MLX does not know
+are written. That is safe because only this layer's kernels touch its buffers and attend, which reads them,
+takes attn_in's output as input, so it runs after the write. A FusedLayer therefore runs only on a
+`KVCache` (the static float cache, whose buffers stay put) and one token; any other call (a prompt, a
+speculative verification, a quantized cache, the compiled step's StepCache) runs the plain layer on the same
+buffers. `fuse(model)` swaps each layer it can run for a FusedLayer and says why it left the others.
+
+References: MLX mlx/backend/cuda/custom_kernel.cpp (the signature, shared memory, the JIT cache keyed by name);
+flash-decoding's split over the key length (Dao et al., "Flash-Decoding for long-context inference", 2023);
+llama.cpp ggml-cuda (one kernel per op, a decode step replayed as one CUDA graph).
+See chapter: dispatch-kernel
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ref_impl.engine.kvcache import KVCache
+from ref_impl.engine.model import Model, TransformerBlock
+from ref_impl.kernels.cuda import minified
+from ref_impl.kernels.decoder_cuda import HEADER, SOURCES
+from ref_impl.kernels.launch import DTYPES, Format, dtype_name
+from ref_impl.kernels.layers import GEMVLinear, format_of, on_cuda
+
+KERNELS = tuple(SOURCES)
+WARPS = 8               # warps per block of the matrix kernels
+ATTEND_WARPS = 4        # warps per block of attend
+ROWS_PER_WARP = 2       # output rows a warp computes (attn_in: a RoPE pair)
+KEYS_PER_SPLIT = 256    # attend: one block per key head and this many positions
+MAX_SPLITS = 32
+MAX_GROUP = 16          # query heads per key head attend keeps in registers
+MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def padded(k: int) -> int:
+    """Floats of shared memory for a staged row of k values: one pad float after every 32 (decoder_cuda.pad)."""
+    return k + k // 32 + 1
+
+
+def splits(keys: int, kv_heads: int) -> int:
+    """Blocks per key head in attend for `keys` positions: one per KEYS_PER_SPLIT, at most MAX_SPLITS."""
+    return max(1, min(MAX_SPLITS, -(-keys // KEYS_PER_SPLIT)))
+
+
+@functools.cache
+def kernel(name: str):
+    """The `mx.fast.cuda_kernel` of one of KERNELS. Its name carries a hash of the source: MLX caches compiled
+    kernels on disk by name, so an edited source must not meet an old build."""
+    inputs, outputs, body = SOURCES[name]
+    header = minified(HEADER)
+    digest = hashlib.sha1((header + body).encode()).hexdigest()[:10]
+    return mx.fast.cuda_kernel(name=f"ref_layer_{name}_{digest}", input_names=inputs, output_names=outputs,
+                               source=body, header=header)
+
+
+def matrix(layer: nn.Module) -> tuple[Format | None, tuple[mx.array, ...]]:
+    """The kernel format of a projection (an nn.Linear, nn.QuantizedLinear or GEMVLinear) and its arrays
+    (w, scales, biases; a dense matrix passes w in all three places), or (None, ()) when the kernels cannot
+    read it (another format, or a bias)."""
+    fmt = layer.fmt if isinstance(layer, GEMVLinear) else format_of(layer)
+    if fmt is None or "bias" in layer:
+        return None, ()
+    w = layer["weight"]
+    return fmt, (w, w, w) if fmt.bits == 16 else (w, layer["scales"], layer["biases"])
+
+
+def inputs(layer: nn.Module) -> int:
+    """The input width of a projection the kernels read."""
+    fmt, (w, _, _) = matrix(layer)
+    return w.shape[1] * 32 // fmt.bits if fmt.bits != 16 else w.shape[1]
+
+
+def mlp_width(mlp: nn.Module) -> int:
+    """The MLP's hidden width: the down projection's inputs."""
+    return inputs(mlp.down_proj)
+
+
+def why_not(block: nn.Module) -> str | None:
+    """Why a decoder layer cannot run fused (None when it can): its architecture, formats or head shape."""
+    if not isinstance(block, TransformerBlock):
+        return f"not a Llama decoder layer ({type(block).__name__})"
+    attn = block.self_attn
+    if not isinstance(attn.q_norm, nn.Identity):
+        return "query/key norms (qwen3) are not fused"
+    mods = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, block.mlp.gate_proj, block.mlp.up_proj,
+            block.mlp.down_proj]
+    formats = [matrix(m)[0] for m in mods]
+    if None in formats:
+        missing = [n for n, f in zip(MATRICES, formats) if f is None]
+        return f"{', '.join(missing)}: a format the kernels do not read, or a bias"
+    if len({f.dtype for f in formats}) != 1 or formats[0].dtype != dtype_name(block.input_layernorm.weight.dtype):
+        return "matrices and norms of different float types"
+    if len({f.bits == 16 for f in formats}) != 1:
+        return "dense and quantized matrices mixed in one layer"
+    if formats[4] != formats[5]:
+        return "gate and up in different formats"
+    hd = attn.head_dim
+    if hd % 32 or hd > 256:
+        return f"head size {hd}: attend takes multiples of 32 up to 256"
+    if attn.n_heads // attn.n_kv_heads > MAX_GROUP:
+        return f"{attn.n_heads // attn.n_kv_heads} query heads per key head: attend takes at most {MAX_GROUP}"
+    for name, m, f in zip(MATRICES, mods, formats):
+        k, step = inputs(m), max(f.group_size, 128 // f.bits)   # whole groups and 16-byte chunks
+        if k % step:
+            return f"{name}: {k} inputs, not a multiple of {step}"
+    return None
+
+
+@dataclass(frozen=True)
+class Launches:
+    """The five launches of one layer: per kernel its template, grid and block (threads, as MLX takes them)
+    and shared memory bytes; attend's grid is per call (it depends on the key count)."""
+    templates: dict
+    grids: dict
+    threads: dict
+    shared: dict
+
+
+def launches(block: TransformerBlock) -> Launches:
+    """The launch geometry of a layer that `why_not` accepts."""
+    attn, mlp = block.self_attn, block.mlp
+    fmts = [matrix(m)[0] for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                                   mlp.down_proj)]
+    hq, hkv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    d, f = block.input_layernorm.weight.shape[0], mlp_width(mlp)
+    t = DTYPES[fmts[0].dtype]
+
+    def fmt(i: int, fm: Format) -> list:
+        return [(f"B{i}", fm.bits), (f"G{i}", fm.group_size or 1)]
+
+    def blocks(rows: int) -> int:
+        warps = -(-rows // ROWS_PER_WARP)
+        return -(-warps // WARPS)
+
+    common = [("T", t), ("NW", WARPS)]
+    templates = {
+        "attn_in": common + fmt(0, fmts[0]) + fmt(1, fmts[1]) + fmt(2, fmts[2])
+        + [("D", hd), ("U", 4), ("TRAD", attn.rope_traditional)],
+        "attend": [("T", t), ("NW", ATTEND_WARPS), ("D", hd), ("G", hq // hkv)],
+        "attn_out": common + fmt(0, fmts[3]) + [("R", ROWS_PER_WARP), ("U", 4), ("D", hd)],
+        "mlp_in": common + fmt(0, fmts[4]) + [("R", ROWS_PER_WARP), ("U", 2)],
+        "mlp_out": common + fmt(0, fmts[6]) + [("R", ROWS_PER_WARP), ("U", 4)],
+    }
+    threads = {k: 32 * (ATTEND_WARPS if k == "attend" else WARPS) for k in KERNELS}
+    counts = {"attn_in": blocks((hq + 2 * hkv) * hd), "attn_out": blocks(d), "mlp_in": blocks(f), "mlp_out": blocks(d)}
+    grids = {k: threads[k] * b for k, b in counts.items()}
+    shared = {"attn_in": 4 * padded(d), "attend": 4 * ATTEND_WARPS * (hq // hkv) * (hd + 2),
+              "attn_out": 4 * padded(hq * hd), "mlp_in": 4 * padded(d), "mlp_out": 4 * padded(f)}
+    return Launches(templates, grids, threads, shared)
+
+
+def rope_frequencies(attn: nn.Module) -> np.ndarray:
+    """Radians per position of each rotated pair, as mx.fast.rope turns positions into angles: the scale
+    over the wavelength (base^(2i/D), or Llama 3's scaled wavelengths)."""
+    hd = attn.head_dim
+    wavelengths = np.array(attn._rope_freqs) if attn._rope_freqs is not None else \
+        attn.rope_theta ** (np.arange(0, hd, 2) / hd)
+    return (attn.rope_scale / wavelengths).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=8)
+def position(offset: int) -> mx.array:
+    """The write position as the kernels read it, one array per position shared by every layer of a step."""
+    return mx.array([offset], dtype=mx.int32)
+
+
+class FusedLayer(TransformerBlock):
+    """A TransformerBlock (same children, same parameter names) whose one-token steps on a KVCache run as
+    five fused kernels while switched on (`switch`); every other call runs the plain layer."""
+
+    def __init__(self, block: TransformerBlock):
+        nn.Module.__init__(self)
+        self.self_attn, self.mlp = block.self_attn, block.mlp
+        self.input_layernorm, self.post_attention_layernorm = block.input_layernorm, block.post_attention_layernorm
+        self.plan = launches(self)
+        self.on = False
+        self.step: Callable[[mx.array, KVCache], tuple[mx.array, ...]] | None = None
+
+    def switch(self, on: bool) -> None:
+        """Run one-token steps fused (on) or as the plain layer; on binds the layer's arrays now."""
+        self.on = on
+        self.step = self.bind() if on else None
+
+    def bind(self) -> Callable[[mx.array, KVCache], tuple[mx.array, ...]]:
+        """The fused step as a function of (x, cache), its arrays and launches bound (no lookups per call):
+        each kernel's output, (query, attention partials, h, MLP hidden, y); it writes k and v into the cache
+        and leaves the offset to the caller."""
+        attn, mlp, plan = self.self_attn, self.mlp, self.plan
+        dt = self.input_layernorm.weight.dtype
+        q, k, v, o, g, u, dn = (matrix(m)[1] for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                                                     mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        n1, n2 = self.input_layernorm["weight"], self.post_attention_layernorm["weight"]
+        eps = mx.array([self.input_layernorm.eps], dtype=mx.float32)
+        eps2 = mx.array([self.post_attention_layernorm.eps], dtype=mx.float32)
+        freqs = mx.array(rope_frequencies(attn))
+        scale = mx.array([attn.scale], dtype=mx.float32)
+        hq, hkv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        d, f = n1.shape[0], mlp_width(mlp)
+        tpl, grid, thr, smem = plan.templates, plan.grids, plan.threads, plan.shared
+        kin, katt, kout, mlin, mlout = (kernel(n) for n in KERNELS)
+
+        def run(kern, name: str, inputs: list, shape: tuple, dtype: mx.Dtype, grid_x: int) -> mx.array:
+            return kern(inputs=inputs, template=tpl[name], grid=(grid_x, 1, 1), threadgroup=(thr[name], 1, 1),
+                        output_shapes=[shape], output_dtypes=[dtype], shared_memory=smem[name])[0]
+
+        def step(x: mx.array, cache: KVCache) -> tuple[mx.array, ...]:
+            at = position(cache.offset)
+            query = run(kin, "attn_in", [x, n1, eps, *q, *k, *v, freqs, at, cache.keys, cache.values],
+                        (1, 1, hq * hd), dt, grid["attn_in"])
+            part = run(katt, "attend", [query, cache.keys, cache.values, at, scale],
+                       (splits(cache.offset + 1, hkv), hq, hd + 2), mx.float32,
+                       thr["attend"] * hkv * splits(cache.offset + 1, hkv))
+            h = run(kout, "attn_out", [part, *o, x], (1, 1, d), dt, grid["attn_out"])
+            a = run(mlin, "mlp_in", [h, n2, eps2, *g, *u], (1, 1, f), dt, grid["mlp_in"])
+            return query, part, h, a, run(mlout, "mlp_out", [a, *dn, h], (1, 1, d), dt, grid["mlp_out"])
+        return step
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        if self.step is None or x.shape[:2] != (1, 1) or type(cache) is not KVCache or cache.batch != 1 \
+                or cache.dtype != x.dtype or x.dtype != self.input_layernorm.weight.dtype:
+            return super().__call__(x, mask, cache)
+        cache.room(1)
+        y = self.step(x, cache)[-1]
+        cache.offset += 1
+        return y
+
+
+def fuse(model: Model, on: bool = True) -> dict[int, str]:
+    """Swap every decoder layer `why_not` accepts for a FusedLayer, switched on (on CUDA only); returns the
+    reason per layer left as it was. Off CUDA nothing is swapped: every layer's reason says why."""
+    if not on_cuda():
+        return {i: f"the fused layer needs MLX's CUDA backend; this is {mx.default_device()}"
+                for i in range(len(model.layers))}
+    left = {}
+    for i, block in enumerate(model.layers):
+        if isinstance(block, FusedLayer):
+            block.switch(on)
+            continue
+        reason = why_not(block)
+        if reason is not None:
+            left[i] = reason
+            continue
+        model.layers[i] = FusedLayer(block)
+        model.layers[i].switch(on)
+    return left
+
+
+def enable(model: Model, on: bool) -> int:
+    """Switch every FusedLayer of the model on or off; returns how many there are."""
+    fused = [b for b in model.layers if isinstance(b, FusedLayer)]
+    for b in fused:
+        b.switch(on)
+    return len(fused)

@@ -1,0 +1,390 @@
+"""The CUDA C++ source of the fused decoder-layer kernels: one decode step of a Llama layer in five launches.
+
+decoder.py says what each kernel does and launches them; this module is their text. The header (namespace
+ref_layer) builds on cuda.py's GEMV device functions (weight loads, 4- and 8-bit code decoding, float16
+pairs, warp sums), so a matrix is read the same way in both. Every kernel that multiplies by a matrix
+first stages its input row in shared memory as float32, with one pad float after every 32 so that lane l,
+reading values 32c..32c+31 of its chunk c, meets a bank no other lane meets (bank (c + i) mod 32).
+`SOURCES` maps each kernel to its body; the bodies name their inputs as decoder.py passes them.
+
+See chapter: dispatch-kernel
+"""
+
+from __future__ import annotations
+
+from ref_impl.kernels.cuda import HEADER as GEMV_HEADER
+
+HEADER = GEMV_HEADER + r"""
+namespace ref_layer {
+
+using ::ref_gemv::to_float;
+using ::ref_gemv::from_float;
+using ::ref_gemv::warp_sum;
+using ::ref_gemv::word;
+
+__device__ __forceinline__ int pad(int e) { return e + (e >> 5); }
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+// v rounded to T and back: where MLX's graph stores an intermediate in T, so do we
+template <typename T> __device__ __forceinline__ float rnd(float v) { return to_float(from_float<T>(v)); }
+
+__device__ __forceinline__ float warp_max(float v) {
+  #pragma unroll
+  for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
+  return v;
+}
+
+// The values of one 32-bit word of a row: 8 4-bit codes, 4 8-bit codes or 2 16-bit floats
+template <typename T, int BITS>
+__device__ __forceinline__ void word_values(uint32_t v, float (&q)[32 / BITS]) {
+  if constexpr (BITS == 16) {
+    const float2 p = ::ref_gemv::to_float2<T>(v);
+    q[0] = p.x;
+    q[1] = p.y;
+  } else {
+    ::ref_gemv::decode(v, q);
+  }
+}
+
+// This lane's partial dot products of RW weight rows with x (k floats in shared memory, padded). Row r:
+// words w[r] (codes, or the dense row as pairs of T), scales s[r] and biases b[r] per GROUP (affine).
+// Lane l reads 16-byte chunks l, l + 32, ..., U chunks of every row in flight before it computes.
+template <bool AL, typename T, int BITS, int GROUP, int RW, int U>
+__device__ __forceinline__ void dot(const float* xs, int k, const uint32_t* const (&w)[RW], const T* const (&s)[RW],
+                                    const T* const (&b)[RW], float (&tot)[RW]) {
+  constexpr int V = 32 / BITS;                 // values per word
+  constexpr int CV = 4 * V;                    // values per chunk, all in one group
+  constexpr bool AFFINE = BITS != 16;
+  const int lane = threadIdx.x & 31, chunks = k / CV;
+  #pragma unroll
+  for (int r = 0; r < RW; ++r) tot[r] = 0.0f;
+  for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
+    uint4 wq[U][RW];
+    float sc[U][RW], bi[U][RW];
+    #pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + 32 * u;
+      #pragma unroll
+      for (int r = 0; r < RW; ++r) {
+        wq[u][r] = c < chunks ? ::ref_gemv::load_weights<AL>(w[r] + 4 * c) : make_uint4(0u, 0u, 0u, 0u);
+        if constexpr (AFFINE) {
+          sc[u][r] = c < chunks ? to_float(s[r][c * CV / GROUP]) : 0.0f;
+          bi[u][r] = c < chunks ? to_float(b[r][c * CV / GROUP]) : 0.0f;
+        }
+      }
+    }
+    #pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + 32 * u;
+      if (c < chunks) {
+        const float* xc = xs + c * CV + ((c * CV) >> 5);   // a chunk never crosses a pad
+        float acc[RW], xsum = 0.0f;
+        #pragma unroll
+        for (int r = 0; r < RW; ++r) acc[r] = 0.0f;
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float xv[V];
+          #pragma unroll
+          for (int e = 0; e < V; ++e) {
+            xv[e] = xc[i * V + e];
+            xsum += xv[e];
+          }
+          #pragma unroll
+          for (int r = 0; r < RW; ++r) {
+            float q[V];
+            word_values<T, BITS>(word(wq[u][r], i), q);
+            #pragma unroll
+            for (int e = 0; e < V; ++e) acc[r] = fmaf(q[e], xv[e], acc[r]);
+          }
+        }
+        // affine: sum_i (s q_i + b) x_i = s sum_i q_i x_i + b sum_i x_i
+        #pragma unroll
+        for (int r = 0; r < RW; ++r) tot[r] += AFFINE ? fmaf(sc[u][r], acc[r], bi[u][r] * xsum) : acc[r];
+      }
+    }
+  }
+  #pragma unroll
+  for (int r = 0; r < RW; ++r) tot[r] = warp_sum(tot[r]);
+}
+
+// Row `row` of one matrix as dot() takes it: words per row k * BITS / 32, groups per row k / GROUP
+template <typename T, int BITS, int GROUP>
+__device__ __forceinline__ void row_ptrs(const void* w, const T* s, const T* b, int k, int row,
+                                         const uint32_t*& wr, const T*& sr, const T*& br) {
+  wr = reinterpret_cast<const uint32_t*>(w) + (int64_t)row * (k * BITS / 32);
+  sr = BITS == 16 ? nullptr : s + (int64_t)row * (k / GROUP);
+  br = BITS == 16 ? nullptr : b + (int64_t)row * (k / GROUP);
+}
+
+// The block stages RMSNorm(x) * w (k values) in xs, as MLX rounds it: x * rsqrt(mean(x^2) + eps) to T, times w to T
+template <typename T>
+__device__ __forceinline__ void stage_norm(const T* x, const T* w, float eps, int k, float* xs) {
+  __shared__ float red[32];
+  float ss = 0.0f;
+  for (int e = threadIdx.x; e < k; e += blockDim.x) {
+    const float v = to_float(x[e]);
+    ss = fmaf(v, v, ss);
+  }
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = ss;
+  __syncthreads();
+  float tot = 0.0f;
+  for (int i = 0; i < (int)blockDim.x / 32; ++i) tot += red[i];
+  const float r = rsqrtf(tot / k + eps);
+  for (int e = threadIdx.x; e < k; e += blockDim.x) xs[pad(e)] = rnd<T>(rnd<T>(to_float(x[e]) * r) * to_float(w[e]));
+  __syncthreads();
+}
+
+// The block stages a row of k values of T in xs
+template <typename T>
+__device__ __forceinline__ void stage_row(const T* a, int k, float* xs) {
+  for (int e = threadIdx.x; e < k; e += blockDim.x) xs[pad(e)] = to_float(a[e]);
+  __syncthreads();
+}
+
+// The block stages the attention output (heads x D values) from the key-length splits' partial results
+// part (splits, heads, D + 2): per split and head, sum_j exp(s_j - m) v_j, then m and sum_j exp(s_j - m)
+template <typename T, int D>
+__device__ __forceinline__ void stage_attention(const float* part, int splits, int heads, float* xs) {
+  for (int e = threadIdx.x; e < heads * D; e += blockDim.x) {
+    const int h = e / D, i = e % D;
+    float m = ::ref_layer::neg_inf();
+    for (int s = 0; s < splits; ++s) m = fmaxf(m, part[((int64_t)s * heads + h) * (D + 2) + D]);
+    float num = 0.0f, den = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+      const float* p = part + ((int64_t)s * heads + h) * (D + 2);
+      const float f = p[D] == ::ref_layer::neg_inf() ? 0.0f : expf(p[D] - m);   // a split with no keys adds nothing
+      num = fmaf(f, p[i], num);
+      den = fmaf(f, p[D + 1], den);
+    }
+    xs[pad(e)] = rnd<T>(num / den);
+  }
+  __syncthreads();
+}
+
+// E consecutive values of T (one lane's share of a head) as floats
+template <typename T, int E>
+__device__ __forceinline__ void load_head(const T* p, float (&f)[E]) {
+  if constexpr (E % 2 == 0) {
+    const uint32_t* u = reinterpret_cast<const uint32_t*>(p);
+    #pragma unroll
+    for (int i = 0; i < E / 2; ++i) {
+      const float2 v = ::ref_gemv::to_float2<T>(u[i]);
+      f[2 * i] = v.x;
+      f[2 * i + 1] = v.y;
+    }
+  } else {
+    #pragma unroll
+    for (int i = 0; i < E; ++i) f[i] = to_float(p[i]);
+  }
+}
+
+}  // namespace ref_layer
+"""
+
+# Each body runs in the signature MLX generates from decoder.py's input and output names; `xs` is the
+# dynamic shared memory decoder.py sizes. Template constants: T (the activation type), NW (warps per block),
+# the formats of the matrices (B0, G0, ...: bits and group size; bits 16 is a dense matrix), and per kernel
+# the rows per warp R, the loads in flight U, the head size D, the query heads per key head G, TRAD.
+# `al`: every weight pointer 16-byte aligned (otherwise the 2-byte-load path, same results).
+
+# Norm, the q, k and v projections, RoPE and the cache write. A warp computes two rows that RoPE rotates
+# together (TRAD: rows 2i, 2i + 1 of a head; else i, i + D/2) for q and k, two adjacent rows for v; q goes to
+# the output, k and v into the caches kc, vc (1, HKV, capacity, D) at position pos, in place: the caches are
+# inputs, so MLX does not see the write, and attend below, which reads them, takes q from here.
+ATTN_IN = r"""
+  extern __shared__ float xs[];
+  const int k = nw_shape[0], hkv = kc_shape[1], cap = kc_shape[2], hq = w0_shape[0] / D;
+  ::ref_layer::stage_norm<T>(x, nw, eps[0], k, xs);
+  const int lane = threadIdx.x & 31, wid = blockIdx.x * NW + threadIdx.x / 32;
+  const int nq = hq * D / 2, nk = hkv * D / 2;
+  if (wid >= nq + 2 * nk) return;
+  const int which = wid < nq ? 0 : wid < nq + nk ? 1 : 2;
+  const int p = wid - (which == 0 ? 0 : which == 1 ? nq : nq + nk);   // the row pair in its matrix
+  const int head = 2 * p / D, i = p % (D / 2);
+  int row[2];
+  if (which == 2 || TRAD) { row[0] = 2 * p; row[1] = 2 * p + 1; }
+  else { row[0] = head * D + i; row[1] = head * D + i + D / 2; }
+  const bool al = (((uintptr_t)w0 | (uintptr_t)w1 | (uintptr_t)w2) & 15) == 0;
+  const uint32_t* wr[2];
+  const T* sr[2];
+  const T* br[2];
+  float y[2];
+  #define REF_DOT(B, G, W, S, BB) \
+    for (int r = 0; r < 2; ++r) ::ref_layer::row_ptrs<T, B, G>(W, S, BB, k, row[r], wr[r], sr[r], br[r]); \
+    if (al) ::ref_layer::dot<true, T, B, G, 2, U>(xs, k, wr, sr, br, y); \
+    else ::ref_layer::dot<false, T, B, G, 2, U>(xs, k, wr, sr, br, y);
+  if (which == 0) { REF_DOT(B0, G0, w0, s0, b0) }
+  else if (which == 1) { REF_DOT(B1, G1, w1, s1, b1) }
+  else { REF_DOT(B2, G2, w2, s2, b2) }
+  #undef REF_DOT
+  if (lane != 0) return;
+  float a = ::ref_layer::rnd<T>(y[0]), c = ::ref_layer::rnd<T>(y[1]);   // the projections, in T
+  const int at = pos[0];
+  if (which < 2) {
+    float sn, cs;
+    sincosf((float)at * freqs[i], &sn, &cs);
+    const float a2 = a * cs - c * sn;
+    c = a * sn + c * cs;
+    a = a2;
+  }
+  if (which == 0) {
+    q[row[0]] = ::ref_gemv::from_float<T>(a);
+    q[row[1]] = ::ref_gemv::from_float<T>(c);
+  } else {
+    T* cache = const_cast<T*>(which == 1 ? kc : vc);
+    const int64_t base = ((int64_t)head * cap + at) * D;
+    cache[base + row[0] % D] = ::ref_gemv::from_float<T>(a);
+    cache[base + row[1] % D] = ::ref_gemv::from_float<T>(c);
+  }
+"""
+
+# Decode attention over the cache, split over the key length: block (key head, split) reads keys and values
+# of its share of positions 0..pos once for the G query heads of that key head (grouped-query attention);
+# each warp keeps an online softmax over every NW-th key, then the block merges its warps into
+# part[split, head] = (sum exp(s - m) v, m, sum exp(s - m)). attn_out merges the splits.
+ATTEND = r"""
+  extern __shared__ float xs[];
+  constexpr int E = D / 32;
+  const int hkv = kc_shape[1], cap = kc_shape[2], hq = hkv * G;
+  const int splits = gridDim.x / hkv, hk = blockIdx.x / splits, sp = blockIdx.x % splits;
+  const int n = pos[0] + 1, per = (n + splits - 1) / splits, j0 = sp * per, j1 = min(n, j0 + per);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  float qv[G][E], m[G], l[G], acc[G][E];
+  #pragma unroll
+  for (int g = 0; g < G; ++g) {
+    ::ref_layer::load_head<T, E>(q + (int64_t)(hk * G + g) * D + lane * E, qv[g]);
+    m[g] = ::ref_layer::neg_inf();
+    l[g] = 0.0f;
+    #pragma unroll
+    for (int e = 0; e < E; ++e) { qv[g][e] *= scale[0]; acc[g][e] = 0.0f; }
+  }
+  for (int j = j0 + warp; j < j1; j += NW) {
+    float kv[E], vv[E];
+    ::ref_layer::load_head<T, E>(kc + ((int64_t)hk * cap + j) * D + lane * E, kv);
+    ::ref_layer::load_head<T, E>(vc + ((int64_t)hk * cap + j) * D + lane * E, vv);
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float sc = 0.0f;
+      #pragma unroll
+      for (int e = 0; e < E; ++e) sc = fmaf(qv[g][e], kv[e], sc);
+      sc = ::ref_layer::warp_sum(sc);
+      const float mn = fmaxf(m[g], sc), corr = expf(m[g] - mn), pj = expf(sc - mn);
+      l[g] = fmaf(l[g], corr, pj);
+      #pragma unroll
+      for (int e = 0; e < E; ++e) acc[g][e] = fmaf(acc[g][e], corr, pj * vv[e]);
+      m[g] = mn;
+    }
+  }
+  float* mine = xs + warp * G * (D + 2);
+  #pragma unroll
+  for (int g = 0; g < G; ++g) {
+    #pragma unroll
+    for (int e = 0; e < E; ++e) mine[g * (D + 2) + lane * E + e] = acc[g][e];
+    if (lane == 0) { mine[g * (D + 2) + D] = m[g]; mine[g * (D + 2) + D + 1] = l[g]; }
+  }
+  __syncthreads();
+  for (int t = threadIdx.x; t < G * (D + 1); t += blockDim.x) {
+    const int g = t / (D + 1), e = t % (D + 1);      // e == D: the row's max and sum
+    float mx = ::ref_layer::neg_inf();
+    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, xs[(w * G + g) * (D + 2) + D]);
+    float v = 0.0f, s = 0.0f;
+    for (int w = 0; w < NW; ++w) {
+      const float* o = xs + (w * G + g) * (D + 2);
+      const float f = o[D] == ::ref_layer::neg_inf() ? 0.0f : expf(o[D] - mx);
+      v = fmaf(f, e < D ? o[e] : 0.0f, v);
+      s = fmaf(f, o[D + 1], s);
+    }
+    float* out = part + ((int64_t)sp * hq + hk * G + g) * (D + 2);
+    if (e < D) out[e] = v;
+    else { out[D] = mx; out[D + 1] = s; }
+  }
+"""
+
+# The output projection of the merged attention, plus the residual: y = x + (attention W^T), each in T
+ATTN_OUT = r"""
+  extern __shared__ float xs[];
+  const int splits = part_shape[0], hq = part_shape[1], k = hq * D, n = x_shape[2];
+  ::ref_layer::stage_attention<T, D>(part, splits, hq, xs);
+  const int lane = threadIdx.x & 31, row0 = (blockIdx.x * NW + threadIdx.x / 32) * R;
+  if (row0 >= n) return;
+  const uint32_t* wr[R];
+  const T* sr[R];
+  const T* br[R];
+  float acc[R];
+  for (int r = 0; r < R; ++r)
+    ::ref_layer::row_ptrs<T, B0, G0>(w0, s0, b0, k, min(row0 + r, n - 1), wr[r], sr[r], br[r]);
+  if ((((uintptr_t)w0) & 15) == 0) ::ref_layer::dot<true, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
+  else ::ref_layer::dot<false, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
+  if (lane < R && row0 + lane < n) {
+    float v = acc[0];
+    #pragma unroll
+    for (int r = 1; r < R; ++r) if (lane == r) v = acc[r];
+    y[row0 + lane] = ::ref_gemv::from_float<T>(::ref_layer::to_float(x[row0 + lane]) + ::ref_layer::rnd<T>(v));
+  }
+"""
+
+# Norm, then the MLP's gate and up projections: y = silu(x Wg^T) * (x Wu^T), with MLX's roundings to T
+# (gate, up, sigmoid, silu, product). A warp reads R rows of each matrix.
+MLP_IN = r"""
+  extern __shared__ float xs[];
+  const int k = nw_shape[0], n = w0_shape[0];
+  ::ref_layer::stage_norm<T>(x, nw, eps[0], k, xs);
+  const int lane = threadIdx.x & 31, row0 = (blockIdx.x * NW + threadIdx.x / 32) * R;
+  if (row0 >= n) return;
+  const uint32_t* wr[2 * R];
+  const T* sr[2 * R];
+  const T* br[2 * R];
+  float acc[2 * R];
+  for (int r = 0; r < R; ++r) {
+    const int row = min(row0 + r, n - 1);
+    ::ref_layer::row_ptrs<T, B0, G0>(w0, s0, b0, k, row, wr[r], sr[r], br[r]);
+    ::ref_layer::row_ptrs<T, B0, G0>(w1, s1, b1, k, row, wr[R + r], sr[R + r], br[R + r]);
+  }
+  if (((((uintptr_t)w0) | ((uintptr_t)w1)) & 15) == 0)
+    ::ref_layer::dot<true, T, B0, G0, 2 * R, U>(xs, k, wr, sr, br, acc);
+  else ::ref_layer::dot<false, T, B0, G0, 2 * R, U>(xs, k, wr, sr, br, acc);
+  if (lane < R && row0 + lane < n) {
+    float g = acc[0], u = acc[R];
+    #pragma unroll
+    for (int r = 1; r < R; ++r) if (lane == r) { g = acc[r]; u = acc[R + r]; }
+    g = ::ref_layer::rnd<T>(g);
+    const float sig = ::ref_layer::rnd<T>(1.0f / (1.0f + expf(-g)));
+    y[row0 + lane] = ::ref_gemv::from_float<T>(::ref_layer::rnd<T>(g * sig) * ::ref_layer::rnd<T>(u));
+  }
+"""
+
+# The down projection plus the residual: y = h + (a W^T), each in T
+MLP_OUT = r"""
+  extern __shared__ float xs[];
+  const int k = a_shape[2], n = h_shape[2];
+  ::ref_layer::stage_row<T>(a, k, xs);
+  const int lane = threadIdx.x & 31, row0 = (blockIdx.x * NW + threadIdx.x / 32) * R;
+  if (row0 >= n) return;
+  const uint32_t* wr[R];
+  const T* sr[R];
+  const T* br[R];
+  float acc[R];
+  for (int r = 0; r < R; ++r)
+    ::ref_layer::row_ptrs<T, B0, G0>(w0, s0, b0, k, min(row0 + r, n - 1), wr[r], sr[r], br[r]);
+  if ((((uintptr_t)w0) & 15) == 0) ::ref_layer::dot<true, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
+  else ::ref_layer::dot<false, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
+  if (lane < R && row0 + lane < n) {
+    float v = acc[0];
+    #pragma unroll
+    for (int r = 1; r < R; ++r) if (lane == r) v = acc[r];
+    y[row0 + lane] = ::ref_gemv::from_float<T>(::ref_layer::to_float(h[row0 + lane]) + ::ref_layer::rnd<T>(v));
+  }
+"""
+
+# kernel -> (input names, output names, body); a matrix is w (codes or dense), s, b (scales and biases:
+# for a dense matrix decoder.py passes w again in their place, and the kernel never reads them)
+SOURCES = {
+    "attn_in": (["x", "nw", "eps", "w0", "s0", "b0", "w1", "s1", "b1", "w2", "s2", "b2", "freqs", "pos", "kc", "vc"],
+                ["q"], ATTN_IN),
+    "attend": (["q", "kc", "vc", "pos", "scale"], ["part"], ATTEND),
+    "attn_out": (["part", "w0", "s0", "b0", "x"], ["y"], ATTN_OUT),
+    "mlp_in": (["x", "nw", "eps", "w0", "s0", "b0", "w1", "s1", "b1"], ["y"], MLP_IN),
+    "mlp_out": (["a", "w0", "s0", "b0", "h"], ["y"], MLP_OUT),
+}
