@@ -71,6 +71,7 @@ def cmd_generate(a: argparse.Namespace) -> None:
         # a verification's gamma+1 rows too when speculating
         rows = (1, a.gamma + 1) if techniques.speculate and a.gamma + 1 <= kernels.MAX_ROWS else (1,)
         print(kernels.summary(kernels.patch(model, rows=rows, fuse=True)), file=sys.stderr)
+        print(fused_layers(model, techniques.compiled), file=sys.stderr)
     if not a.chat:  # a continuation is shown after its prompt; a chat shows the reply alone
         sys.stdout.write(a.prompt)
     prompt = chat.encode(tokenizer, text) if a.chat else a.prompt
@@ -82,6 +83,22 @@ def cmd_generate(a: argparse.Namespace) -> None:
                            .most_common())
     held = "MLX quantized" if quantized else str(model.norm.weight.dtype).split(".")[-1]
     print(f"weights {weights} as {held}, kernels {'patched' if patched else 'off'}, {g.summary()}", file=sys.stderr)
+
+
+def fused_layers(model, compiled: bool) -> str:
+    """Run decode through the fused decoder layers where a measurement at load finds them faster; the line
+    that says what was chosen and why."""
+    from ref_impl.kernels import fusedlayer
+
+    if compiled:
+        return "fused layers: off (--compile replays one traced graph of MLX's own operations)"
+    left = fusedlayer.fuse(model)
+    if len(left) == len(model.layers):
+        return f"fused layers: none ({next(iter(left.values()))})"
+    on, ms = fusedlayer.choose(model)
+    return (f"fused layers: {'on' if on else 'off'} for {len(model.layers) - len(left)} of {len(model.layers)} "
+            f"layers (decode {ms['fused']:.2f} ms/token fused, {ms['unfused']:.2f} unfused)"
+            + "".join(f"; layer {i}: {why}" for i, why in list(left.items())[:3]))
 
 
 def cmd_inspect(a: argparse.Namespace) -> None:
@@ -259,8 +276,9 @@ def parser() -> argparse.ArgumentParser:
                    help="quantized tensors as MLX quantized matrices (native) or expanded to floats; "
                         "auto: native on a GPU, float on the CPU")
     g.add_argument("--kernels", choices=["auto", "on", "off"], default="auto",
-                   help="our CUDA GEMV kernels (ref_impl/kernels/) where a measurement at load finds them faster "
-                        "than MLX's built-ins; auto: on MLX's CUDA backend only; on: fail elsewhere")
+                   help="our CUDA kernels (ref_impl/kernels/: GEMVs, and whole decoder layers fused) where a "
+                        "measurement at load finds them faster than MLX's built-ins; auto: on MLX's CUDA backend "
+                        "only; on: fail elsewhere")
     g.add_argument("--compile", action="store_true",
                    help="trace one decode step with mx.compile and replay it at every position (less host time "
                         "per token where the host limits decode)")

@@ -39,7 +39,7 @@ from ref_impl.engine.checkpoint import load
 from ref_impl.engine.generate import Sampler, generate_step
 from ref_impl.engine.model import ModelArgs, TransformerBlock
 from ref_impl.engine.random import args_for, random_model
-from ref_impl.kernels import cuda, decoder, decoder_cuda, layers
+from ref_impl.kernels import cuda, fusedlayer, fusedlayer_cuda, layers
 from ref_impl.measure import kernels as suite
 from ref_impl.measure.kernels import bench_kernels
 from ref_impl.measure.records import dtype_name
@@ -359,12 +359,42 @@ class StandIn:
         return run
 
 
+def stand_in_stages(layer: nn.Module) -> dict:
+    """FusedLayer.bind on any backend: each fused kernel stood in for by the layer's own modules (MLX's ops),
+    the k/v write into the cache included; `attend` hands attn_out the attention output itself."""
+    attn, mlp = layer.self_attn, layer.mlp
+
+    def heads(t: mx.array, n: int) -> mx.array:
+        return t.reshape(1, 1, n, -1).transpose(0, 2, 1, 3)
+
+    def attn_in(x: mx.array, cache, at: mx.array) -> mx.array:
+        q, k, v = attn.qkv(layer.input_layernorm(x))
+        i = cache.offset
+        cache.keys[:, :, i:i + 1, :] = attn.rope(heads(k, attn.n_kv_heads), i)
+        cache.values[:, :, i:i + 1, :] = heads(v, attn.n_kv_heads)
+        return attn.rope(heads(q, attn.n_heads), i)
+
+    def attend(q: mx.array, cache, at: mx.array) -> mx.array:
+        n = cache.offset + 1
+        return mx.fast.scaled_dot_product_attention(q, cache.keys[:, :, :n], cache.values[:, :, :n],
+                                                    scale=attn.scale)
+
+    def mlp_in(h: mx.array) -> mx.array:
+        hn = layer.post_attention_layernorm(h)
+        return nn.silu(mlp.gate_proj(hn)) * mlp.up_proj(hn)
+
+    return {"attn_in": attn_in, "attend": attend,
+            "attn_out": lambda o, x: x + attn.o_proj(o.transpose(0, 2, 1, 3).reshape(1, 1, -1)),
+            "mlp_in": mlp_in, "mlp_out": lambda a, h: h + mlp.down_proj(a)}
+
+
 @contextlib.contextmanager
 def stand_in_kernels():
     """Our kernels stood in for by MLX's matmuls (a StandIn, yielded: its call counts) on any backend: the
-    layers' `runner` swapped, and `on_cuda` answering True in every ref_impl module that holds it."""
+    layers' `runner` and the fused layer's kernels swapped, and `on_cuda` answering True in every ref_impl
+    module that holds it."""
     stand_in, real = StandIn(), kernels.on_cuda
-    swaps = [(layers, "runner", stand_in)] + [
+    swaps = [(layers, "runner", stand_in), (fusedlayer.FusedLayer, "bind", stand_in_stages)] + [
         (m, "on_cuda", lambda: True) for name, m in list(sys.modules.items())
         if name.split(".")[0] == "ref_impl" and getattr(m, "on_cuda", None) is real]
     saved = [(m, attr, getattr(m, attr)) for m, attr, _ in swaps]
@@ -469,15 +499,32 @@ def test_bench_kernels_quick_flow_with_stand_in_kernels(tmp_path):
         args = ModelArgs(512, 256, 2, 512, 4, 2, tie_word_embeddings=False)
         records = bench_kernels("tiny", args, ["Q4_K_M"], tmp_path, prompt_len=8, gen_tokens=8, repeats=1,
                                 quick=True)
+    # the CPU loads float32 weights, which the fused layer does not read: "layers" runs on CUDA's float16
+    variants = suite.DECODE_VARIANTS if CUDA else tuple(v for v in suite.DECODE_VARIANTS if v != "layers")
     speed = {r["variant"]: r["value"] for r in records if r["metric"] == "tokens_per_s"}
-    assert set(speed) == set(suite.DECODE_VARIANTS) and all(v > 0 for v in speed.values())
+    assert set(speed) == set(variants) and all(v > 0 for v in speed.values())
     agree = {r["variant"]: r["value"] for r in records if r["metric"] == "greedy_agreement"}
-    assert agree == {v: 1.0 for v in suite.DECODE_VARIANTS[1:]}
+    assert agree == {v: 1.0 for v in variants[1:]}
     parts = {(r["variant"], r["part"]) for r in records if r["experiment"] == "decode-breakdown"}
-    assert {(v, "host_build") for v in suite.DECODE_VARIANTS} <= parts
+    assert {(v, "host_build") for v in variants} <= parts
     count = {r["variant"]: r["value"] for r in records if r["metric"] == "kernels_per_token"}
     assert (count["native+compiled"] > count["native"] if cuda else count["native+compiled"] < count["native"]), count
     assert not [r for r in records if r["experiment"] == "gemv"]          # quick: no per-matrix sweep
+
+
+def test_fused_layer_timing_flow_with_stand_in_kernels():
+    """The fused layer's measurements on any backend, its kernels stood in for: per-kernel queued times with
+    the bytes each reads, and choose's timed decision between fused and unfused decode."""
+    with stand_in_kernels():
+        model = layer_model(256, 8, 2, 512, "q4q8", layers=2)
+        assert fusedlayer.fuse(model) == {}
+        per = suite.layer_kernel_ms(model, context=20)
+        assert list(per) == list(fusedlayer.KERNELS) and all(ms > 0 for ms, _ in per.values())
+        assert per["attend"][1] == 2 * 2 * 2 * 20 * 32 * 2                  # layers x k,v x heads x keys x D x 2 B
+        assert per["mlp_in"][1] > per["attn_out"][1]
+        on, ms = fusedlayer.choose(model, rounds=1)
+        assert set(ms) == {"fused", "unfused"} and on == (ms["fused"] < ms["unfused"])
+        assert all(b.on == on for b in model.layers)
 
 
 # --- on the GPU: every kernel against a float64 oracle ---------------------------------------------------
@@ -714,7 +761,7 @@ def test_patched_decoder_keeps_greedy_tokens():
             assert near_tie_or_equal(a[0, i], b[0, i]), f"{quant}: 4-row verification differs beyond a near tie"
 
 
-# --- the fused decoder layer (kernels/decoder.py) ----------------------------------------------------------
+# --- the fused decoder layer (kernels/fusedlayer.py) ----------------------------------------------------------
 
 def layer_model(hidden: int, heads: int, kv_heads: int, inter: int, quant: str, arch: str = "llama",
                 dtype: mx.Dtype = mx.float16, layers: int = 1, seed: int = 0) -> nn.Module:
@@ -792,28 +839,28 @@ def close(got: np.ndarray, want: np.ndarray) -> float:
 
 
 def test_fused_layer_says_why_it_leaves_a_layer():
-    assert decoder.why_not(layer_model(256, 8, 2, 512, "f16").layers[0]) is None
-    assert decoder.why_not(layer_model(256, 8, 2, 512, "q4q8").layers[0]) is None
-    assert "norms" in decoder.why_not(layer_model(256, 8, 2, 512, "f16", "qwen3").layers[0])
-    assert "head size 48" in decoder.why_not(layer_model(384, 8, 2, 512, "f16").layers[0])
-    assert "format" in decoder.why_not(layer_model(256, 8, 2, 512, "f16", dtype=mx.float32).layers[0])
+    assert fusedlayer.why_not(layer_model(256, 8, 2, 512, "f16").layers[0]) is None
+    assert fusedlayer.why_not(layer_model(256, 8, 2, 512, "q4q8").layers[0]) is None
+    assert "norms" in fusedlayer.why_not(layer_model(256, 8, 2, 512, "f16", "qwen3").layers[0])
+    assert "head size 48" in fusedlayer.why_not(layer_model(384, 8, 2, 512, "f16").layers[0])
+    assert "format" in fusedlayer.why_not(layer_model(256, 8, 2, 512, "f16", dtype=mx.float32).layers[0])
     wide_norm = layer_model(256, 8, 2, 512, "f16").layers[0]
     wide_norm.input_layernorm.weight = wide_norm.input_layernorm.weight.astype(mx.float32)
-    assert "float types" in decoder.why_not(wide_norm)
+    assert "float types" in fusedlayer.why_not(wide_norm)
     mixed = layer_model(256, 8, 2, 512, "f16")
     nn.quantize(mixed, group_size=32, bits=4, class_predicate=lambda path, m: path.endswith("o_proj"))
-    assert "mixed" in decoder.why_not(mixed.layers[0])
+    assert "mixed" in fusedlayer.why_not(mixed.layers[0])
     odd = layer_model(256, 8, 2, 512, "f16")
     nn.quantize(odd, class_predicate=lambda path, m: isinstance(m, nn.Linear) and {
         "group_size": 64 if path.endswith("up_proj") else 32, "bits": 4})
-    assert "gate and up" in decoder.why_not(odd.layers[0])
+    assert "gate and up" in fusedlayer.why_not(odd.layers[0])
     five = layer_model(256, 8, 2, 512, "f16")
     nn.quantize(five, group_size=32, bits=5, class_predicate=lambda path, m: isinstance(m, nn.Linear))
-    assert "format" in decoder.why_not(five.layers[0])
+    assert "format" in fusedlayer.why_not(five.layers[0])
     biased = layer_model(256, 8, 2, 512, "f16", "qwen2")
     biased.layers[0].self_attn.q_proj = nn.Linear(256, 256, bias=True)
     biased.layers[0].self_attn.q_proj.set_dtype(mx.float16)
-    assert "q_proj" in decoder.why_not(biased.layers[0])
+    assert "q_proj" in fusedlayer.why_not(biased.layers[0])
 
 
 def test_fused_layer_launches_cover_every_row():
@@ -823,29 +870,30 @@ def test_fused_layer_launches_cover_every_row():
     nn.quantize(block, class_predicate=lambda path, m: isinstance(m, nn.Linear) and {
         "group_size": 32, "bits": 8 if path.endswith(("v_proj", "down_proj")) else 4})
     block.set_dtype(mx.float16)
-    plan = decoder.launches(block)
+    plan = fusedlayer.launches(block)
     rows = {"attn_in": (32 + 16) * 128, "attn_out": 4096, "mlp_in": 14336, "mlp_out": 4096}
     for name, n in rows.items():
         warps = plan.grids[name] // 32
-        need = -(-n // decoder.ROWS_PER_WARP)
-        assert need <= warps < need + decoder.WARPS, (name, warps, need)
+        need = -(-n // fusedlayer.ROWS_PER_WARP)
+        assert need <= warps < need + fusedlayer.WARPS, (name, warps, need)
         assert plan.grids[name] % plan.threads[name] == 0
     widths = {"attn_in": 4096, "attn_out": 4096, "mlp_in": 4096, "mlp_out": 14336}
     for name, k in widths.items():      # the last padded index, k - 1 + (k - 1) // 32, fits
         assert plan.shared[name] >= 4 * (k + (k - 1) // 32)
-    assert plan.shared["attend"] == 4 * decoder.ATTEND_WARPS * 4 * 130
+    assert plan.shared["attend"] == 4 * fusedlayer.ATTEND_WARPS * 4 * 130
+    assert dict(plan.templates["attend"])["G"] == 4
     assert dict(plan.templates["attn_in"])["B2"] == 8 and dict(plan.templates["mlp_out"])["B0"] == 8
-    assert [decoder.splits(n, 8) for n in (1, 256, 257, 8192, 10 ** 6)] == [1, 1, 2, 32, decoder.MAX_SPLITS]
+    assert [fusedlayer.splits(n, 8) for n in (1, 64, 65, 256, 10 ** 6)] == [1, 1, 2, 4, fusedlayer.MAX_SPLITS]
 
 
 def test_fused_layer_sources_match_their_inputs():
     """Each body names only inputs it is given and the shapes it reads; kernel names change with the source."""
-    for name, (inputs, outputs, body) in decoder_cuda.SOURCES.items():
+    for name, (inputs, outputs, body) in fusedlayer_cuda.SOURCES.items():
         for shape in re.findall(r"(\w+)_shape", body):
             assert shape in inputs, (name, shape)
         for arg in inputs + outputs:
             assert re.search(rf"\b{arg}\b", body), (name, arg)
-    assert "ref_gemv" in decoder_cuda.HEADER and "namespace ref_layer" in decoder_cuda.HEADER
+    assert "ref_gemv" in fusedlayer_cuda.HEADER and "namespace ref_layer" in fusedlayer_cuda.HEADER
 
 
 class FakeStep:
@@ -857,7 +905,7 @@ class FakeStep:
     def __call__(self, x: mx.array, cache) -> tuple:
         self.calls += 1
         probe = cache.offset
-        y = decoder.TransformerBlock.__call__(self.layer, x, None, cache)
+        y = TransformerBlock.__call__(self.layer, x, None, cache)
         cache.offset = probe                # the fused step leaves the offset to the caller
         return (y,)
 
@@ -868,15 +916,15 @@ def test_fused_layer_routes_one_token_steps_only():
     model = layer_model(256, 8, 2, 512, "f16", layers=2)
     names = [k for k, _ in nn.utils.tree_flatten(model.parameters())]
     if not CUDA:
-        reasons = decoder.fuse(model)
+        reasons = fusedlayer.fuse(model)
         assert set(reasons) == {0, 1} and "CUDA" in reasons[0]
-        assert not any(isinstance(b, decoder.FusedLayer) for b in model.layers)
+        assert not any(isinstance(b, fusedlayer.FusedLayer) for b in model.layers)
     ref = [model(mx.array([[5, 9, 2]]), c := model.make_cache(16)), model(mx.array([[7]]), c)]
-    model.layers = [decoder.FusedLayer(b) for b in model.layers]
+    model.layers = [fusedlayer.FusedLayer(b) for b in model.layers]
     assert [k for k, _ in nn.utils.tree_flatten(model.parameters())] == names
     steps = [FakeStep(b) for b in model.layers]
     for b, s in zip(model.layers, steps):
-        b.step = s
+        b.on, b.step = True, s              # the instance's step in place of the kernels
     cache = model.make_cache(16)
     out = [model(mx.array([[5, 9, 2]]), cache), model(mx.array([[7]]), cache)]
     assert [s.calls for s in steps] == [1, 1] and cache[0].offset == 4
@@ -891,7 +939,7 @@ def test_fused_layer_routes_one_token_steps_only():
 
 @cuda_only
 def test_fused_layer_against_float64_oracle():
-    """Every kernel of the fused layer (decoder_cuda.py) on random layers: dense float16 and bfloat16, the
+    """Every kernel of the fused layer (fusedlayer_cuda.py) on random layers: dense float16 and bfloat16, the
     Q4_K_M mix of 4- and 8-bit groups of 32, 4-bit groups of 64 at Llama-3.1-8B's layer shape; adjacent and
     half-head RoPE pairs; head sizes 64 and 128; at positions that give attend 1 to 4 key-length splits."""
     cases = [(512, 8, 2, 1408, "f16", "llama", mx.float16, (0, 5, 300)),
@@ -902,7 +950,7 @@ def test_fused_layer_against_float64_oracle():
     rng = np.random.default_rng(0)
     for hidden, heads, kv, inter, quant, arch, dt, positions in cases:
         model = layer_model(hidden, heads, kv, inter, quant, arch, dt)
-        assert decoder.fuse(model) == {}
+        assert fusedlayer.fuse(model) == {}
         layer = model.layers[0]
         D = layer.self_attn.head_dim
         for pos in positions:
@@ -917,7 +965,7 @@ def test_fused_layer_against_float64_oracle():
             want = layer_oracle(layer, x, keys, values, pos)
             query, part, h, a, y = layer.step(x, cache)
             mx.eval(y)
-            assert part.shape[0] == decoder.splits(pos + 1, kv)
+            assert part.shape[0] == fusedlayer.splits(pos + 1, kv)
             got = {"q": as_f64(query).ravel(), "k": as_f64(cache.keys)[0, :, pos], "v": as_f64(cache.values)[0, :, pos],
                    "h": as_f64(h).ravel(), "a": as_f64(a).ravel(), "y": as_f64(y).ravel()}
             errs = {s: close(got[s], want[s]) for s in want}
@@ -939,7 +987,7 @@ def test_fused_decoder_keeps_greedy_tokens():
         for m in (ref, model):
             if quant:
                 nn.quantize(m, group_size=quant[0], bits=quant[1])
-        assert decoder.fuse(model) == {}
+        assert fusedlayer.fuse(model) == {}
         want, ids = greedy(ref, prompt, 24), greedy(model, prompt, 24)
         print(f"  shipped model {quant or 'float16'}, fused layers: greedy tokens equal: {want == ids}", flush=True)
         caches = ref.make_cache(64), model.make_cache(64)

@@ -25,6 +25,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ref_impl import kernels
+from ref_impl.kernels import fusedlayer
 from ref_impl.engine.generate import decoder, prefill
 from ref_impl.engine.model import Model, ModelArgs
 from ref_impl.engine.random import random_gguf_model
@@ -35,8 +36,9 @@ from ref_impl.platform.timing import clock, decode_metrics, median
 from ref_impl.theory.roofline import matmul_shapes
 
 # MLX's built-ins, our GEMVs where faster, with the fused gate/up and q/k/v kernels; "+compiled": each decode
-# step one mx.compile'd graph (generate.compiled_decoder)
-DECODE_VARIANTS = ("native", "native+compiled", "kernels", "kernels+fused", "kernels+fused+compiled")
+# step one mx.compile'd graph (generate.compiled_decoder); "layers": every decoder layer five fused kernels
+# (kernels/fusedlayer.py), the LM head as "kernels" runs it
+DECODE_VARIANTS = ("native", "native+compiled", "kernels", "kernels+fused", "kernels+fused+compiled", "layers")
 
 
 # ---- the probes of one decode step ------------------------------------------------------------------------
@@ -219,6 +221,43 @@ def breakdown_without_records(run: KernelRun, model: Model, fields: dict) -> lis
     return records
 
 
+def layer_kernel_ms(model: Model, context: int, passes: int = 4) -> dict[str, tuple[float, int]]:
+    """Per fused-layer kernel (kernels/fusedlayer.py), (ms per token, bytes per token): the kernel of every fused
+    layer queued `passes` times in one mx.eval, the graph built first (patching.time_calls), so the time is the
+    GPU's; the inputs come from one fused step at position `context`. Bytes: the weights and norms it reads."""
+    layers = [b for b in model.layers if isinstance(b, fusedlayer.FusedLayer) and b.on]
+    caches = model.make_cache(context + 2)
+    for c in caches:
+        c.offset = context
+    x = (mx.random.normal((1, 1, model.args.hidden_size), key=mx.random.key(0))).astype(model.norm.weight.dtype)
+    at = fusedlayer.position(context)
+    outs = [b.step(x, c) for b, c in zip(layers, caches)]
+    mx.eval(outs)
+    calls = {
+        "attn_in": [lambda _, b=b, c=c: b.stages["attn_in"](x, c, at) for b, c in zip(layers, caches)],
+        "attend": [lambda _, b=b, c=c, o=o: b.stages["attend"](o[0], c, at) for b, c, o in zip(layers, caches, outs)],
+        "attn_out": [lambda _, b=b, o=o: b.stages["attn_out"](o[1], x) for b, o in zip(layers, outs)],
+        "mlp_in": [lambda _, b=b, o=o: b.stages["mlp_in"](o[2]) for b, o in zip(layers, outs)],
+        "mlp_out": [lambda _, b=b, o=o: b.stages["mlp_out"](o[3], o[2]) for b, o in zip(layers, outs)],
+    }
+    per_call, _, errors = kernels.time_calls(calls, x, passes)
+    if errors:
+        raise RuntimeError(f"fused-layer kernels failed: {errors}")
+    nbytes = {k: sum(fusedlayer.kernel_bytes(b, k, context) for b in layers) for k in calls}
+    return {k: (per_call[k] * len(layers) * 1e3, nbytes[k]) for k in calls}
+
+
+def layer_records(run: KernelRun, model: Model, fields: dict) -> list[dict]:
+    """decode-breakdown records of the fused layers' kernels: ms per token each (queued), with GB/s."""
+    records = []
+    for name, (ms, nbytes) in layer_kernel_ms(model, len(run.prompt) + run.gen_tokens // 2).items():
+        records.append(record("decode-breakdown", "ms_per_token", "ms", ms, variant="layers", **fields,
+                              part=f"layer {name}", bytes_per_token=nbytes, gb_per_s=nbytes / ms / 1e6,
+                              note="the kernel of every layer queued, graph built first: GPU time"))
+        run.say(f"{fields['weights']} layers: {name} {ms:.3f} ms/token, {nbytes / ms / 1e6:.0f} GB/s")
+    return records
+
+
 def choice_records(choices: list, fields: dict, say: Callable[[str], None]) -> list[dict]:
     """kernel-choice records: what the patch chose per (format, shape, rows, fused group), with its timings."""
     records = []
@@ -283,7 +322,7 @@ def queued_records(choices: list, fields: dict, say: Callable[[str], None]) -> l
 def agreement_records(ids: dict[str, list[int]], fields: dict) -> list[dict]:
     """decode-kernels greedy agreement of each variant with native decoding, and where it first diverges."""
     records = []
-    for variant in DECODE_VARIANTS[1:]:
+    for variant in [v for v in DECODE_VARIANTS[1:] if v in ids]:
         same = np.array(ids[variant]) == np.array(ids["native"])
         first = int(np.argmin(same)) if not same.all() else None
         records.append(record("decode-kernels", "greedy_agreement", "fraction", same.mean(), variant=variant,
@@ -320,8 +359,16 @@ def weight_type_records(run: KernelRun, args: ModelArgs, wt: str, work_dir: Path
             records += choice_records(choices, fields, run.say)
         if variant.startswith("kernels"):
             kernels.enable(model, gemv=True, fused="fused" in variant)
+        if variant == "layers":
+            left = fusedlayer.fuse(model)
+            run.say(f"{wt} layers: {len(model.layers) - len(left)} of {len(model.layers)} fused"
+                    + "".join(f"; layer {i}: {why}" for i, why in left.items()))
+            if len(left) == len(model.layers):
+                continue
         rec, ids[variant] = variant_records(run, model, variant, step_bytes, fields)
         records += rec
+        if variant == "layers":
+            records += layer_records(run, model, fields)
     records += queued_records(choices, fields, run.say)
     records.append(record("decode-kernels", "bytes_per_token", "B", step_bytes, variant="kernels", **fields))
     records += agreement_records(ids, fields)

@@ -3,7 +3,7 @@
 On MLX's CUDA backend a decode step is host-bound: MLX builds and encodes each primitive of the step's graph
 on the host, ~10 µs apiece, and a Llama-3.1-8B token has ~580 of them (measured in results/), more host time
 than the GPU needs to read the weights. Fusing GEMVs (patching.py) only trims that count; `FusedLayer` runs a
-whole layer's decode step as five `mx.fast.cuda_kernel` launches (source in decoder_cuda.py):
+whole layer's decode step as five `mx.fast.cuda_kernel` launches (source in fusedlayer_cuda.py):
 
     attn_in   RMSNorm, the q, k and v projections, RoPE, k and v written into the layer's KVCache
     attend    attention of the new query over the cache, split over the key length (grouped-query aware)
@@ -40,25 +40,32 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ref_impl.engine.generate import decoder, prefill
 from ref_impl.engine.kvcache import KVCache
 from ref_impl.engine.model import Model, TransformerBlock
 from ref_impl.kernels.cuda import minified
-from ref_impl.kernels.decoder_cuda import HEADER, SOURCES
+from ref_impl.kernels.fusedlayer_cuda import HEADER, SOURCES
 from ref_impl.kernels.launch import DTYPES, Format, dtype_name
 from ref_impl.kernels.layers import GEMVLinear, format_of, on_cuda
+from ref_impl.platform.timing import clock, median
 
 KERNELS = tuple(SOURCES)
 WARPS = 8               # warps per block of the matrix kernels
-ATTEND_WARPS = 4        # warps per block of attend
+ATTEND_WARPS = 8        # warps per block of attend
 ROWS_PER_WARP = 2       # output rows a warp computes (attn_in: a RoPE pair)
-KEYS_PER_SPLIT = 256    # attend: one block per key head and this many positions
+UNROLL = {"attn_in": 4, "attn_out": 4, "mlp_in": 2, "mlp_out": 4}   # 16-byte loads per row in flight
+KEYS_PER_SPLIT = 64     # attend: one block per key head and this many positions
+KEYS_AT_ONCE = 4        # attend: keys a warp loads before it computes
 MAX_SPLITS = 32
 MAX_GROUP = 16          # query heads per key head attend keeps in registers
-MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# each kernel's matrices, by their names in engine.model (self_attn.* or mlp.*)
+READS = {"attn_in": ("q_proj", "k_proj", "v_proj"), "attend": (), "attn_out": ("o_proj",),
+         "mlp_in": ("gate_proj", "up_proj"), "mlp_out": ("down_proj",)}
+MATRICES = tuple(m for ms in READS.values() for m in ms)
 
 
 def padded(k: int) -> int:
-    """Floats of shared memory for a staged row of k values: one pad float after every 32 (decoder_cuda.pad)."""
+    """Floats of shared memory for a staged row of k values: one pad float after every 32 (fusedlayer_cuda.pad)."""
     return k + k // 32 + 1
 
 
@@ -68,14 +75,16 @@ def splits(keys: int, kv_heads: int) -> int:
 
 
 @functools.cache
-def kernel(name: str):
-    """The `mx.fast.cuda_kernel` of one of KERNELS. Its name carries a hash of the source: MLX caches compiled
-    kernels on disk by name, so an edited source must not meet an old build."""
+def kernel(name: str, shared: int):
+    """The `mx.fast.cuda_kernel` of one of KERNELS with `shared` bytes of dynamic shared memory. Its name
+    carries a hash of the source, since MLX caches compiled kernels on disk by name and an edited source must
+    not meet an old build, and the shared bytes, since MLX raises a kernel's shared-memory limit only at its
+    first launch."""
     inputs, outputs, body = SOURCES[name]
     header = minified(HEADER)
     digest = hashlib.sha1((header + body).encode()).hexdigest()[:10]
-    return mx.fast.cuda_kernel(name=f"ref_layer_{name}_{digest}", input_names=inputs, output_names=outputs,
-                               source=body, header=header)
+    return mx.fast.cuda_kernel(name=f"ref_layer_{name}_{digest}_{shared}", input_names=inputs, output_names=outputs,
+                               source=body, header=header, shared_memory=shared)
 
 
 def matrix(layer: nn.Module) -> tuple[Format | None, tuple[mx.array, ...]]:
@@ -87,6 +96,12 @@ def matrix(layer: nn.Module) -> tuple[Format | None, tuple[mx.array, ...]]:
         return None, ()
     w = layer["weight"]
     return fmt, (w, w, w) if fmt.bits == 16 else (w, layer["scales"], layer["biases"])
+
+
+def projections(block: nn.Module) -> dict[str, nn.Module]:
+    """A decoder layer's seven projections by name (MATRICES' order)."""
+    return {name: getattr(block.self_attn if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else block.mlp,
+                          name) for name in MATRICES}
 
 
 def inputs(layer: nn.Module) -> int:
@@ -107,8 +122,7 @@ def why_not(block: nn.Module) -> str | None:
     attn = block.self_attn
     if not isinstance(attn.q_norm, nn.Identity):
         return "query/key norms (qwen3) are not fused"
-    mods = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, block.mlp.gate_proj, block.mlp.up_proj,
-            block.mlp.down_proj]
+    mods = list(projections(block).values())
     formats = [matrix(m)[0] for m in mods]
     if None in formats:
         missing = [n for n, f in zip(MATRICES, formats) if f is None]
@@ -144,8 +158,7 @@ class Launches:
 def launches(block: TransformerBlock) -> Launches:
     """The launch geometry of a layer that `why_not` accepts."""
     attn, mlp = block.self_attn, block.mlp
-    fmts = [matrix(m)[0] for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
-                                   mlp.down_proj)]
+    fmts = [matrix(m)[0] for m in projections(block).values()]
     hq, hkv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
     d, f = block.input_layernorm.weight.shape[0], mlp_width(mlp)
     t = DTYPES[fmts[0].dtype]
@@ -160,11 +173,11 @@ def launches(block: TransformerBlock) -> Launches:
     common = [("T", t), ("NW", WARPS)]
     templates = {
         "attn_in": common + fmt(0, fmts[0]) + fmt(1, fmts[1]) + fmt(2, fmts[2])
-        + [("D", hd), ("U", 4), ("TRAD", attn.rope_traditional)],
-        "attend": [("T", t), ("NW", ATTEND_WARPS), ("D", hd), ("G", hq // hkv)],
-        "attn_out": common + fmt(0, fmts[3]) + [("R", ROWS_PER_WARP), ("U", 4), ("D", hd)],
-        "mlp_in": common + fmt(0, fmts[4]) + [("R", ROWS_PER_WARP), ("U", 2)],
-        "mlp_out": common + fmt(0, fmts[6]) + [("R", ROWS_PER_WARP), ("U", 4)],
+        + [("D", hd), ("U", UNROLL["attn_in"]), ("TRAD", attn.rope_traditional)],
+        "attend": [("T", t), ("NW", ATTEND_WARPS), ("D", hd), ("G", hq // hkv), ("KB", KEYS_AT_ONCE)],
+        "attn_out": common + fmt(0, fmts[3]) + [("R", ROWS_PER_WARP), ("U", UNROLL["attn_out"]), ("D", hd)],
+        "mlp_in": common + fmt(0, fmts[4]) + [("R", ROWS_PER_WARP), ("U", UNROLL["mlp_in"])],
+        "mlp_out": common + fmt(0, fmts[6]) + [("R", ROWS_PER_WARP), ("U", UNROLL["mlp_out"])],
     }
     threads = {k: 32 * (ATTEND_WARPS if k == "attend" else WARPS) for k in KERNELS}
     counts = {"attn_in": blocks((hq + 2 * hkv) * hd), "attn_out": blocks(d), "mlp_in": blocks(f), "mlp_out": blocks(d)}
@@ -199,21 +212,21 @@ class FusedLayer(TransformerBlock):
         self.input_layernorm, self.post_attention_layernorm = block.input_layernorm, block.post_attention_layernorm
         self.plan = launches(self)
         self.on = False
-        self.step: Callable[[mx.array, KVCache], tuple[mx.array, ...]] | None = None
+        self.stages: dict[str, Callable[..., mx.array]] = {}
 
     def switch(self, on: bool) -> None:
         """Run one-token steps fused (on) or as the plain layer; on binds the layer's arrays now."""
         self.on = on
-        self.step = self.bind() if on else None
+        self.stages = self.bind() if on else {}
 
-    def bind(self) -> Callable[[mx.array, KVCache], tuple[mx.array, ...]]:
-        """The fused step as a function of (x, cache), its arrays and launches bound (no lookups per call):
-        each kernel's output, (query, attention partials, h, MLP hidden, y); it writes k and v into the cache
-        and leaves the offset to the caller."""
+    def bind(self) -> dict[str, Callable[..., mx.array]]:
+        """The five kernels as functions with this layer's arrays and launches bound (no lookups per call):
+        attn_in(x, cache, at) -> query (writes k and v into the cache at position `at`), attend(query, cache,
+        at) -> the key-length splits' partial attention, attn_out(part, x) -> h, mlp_in(h) -> the MLP's
+        hidden row, mlp_out(a, h) -> y."""
         attn, mlp, plan = self.self_attn, self.mlp, self.plan
         dt = self.input_layernorm.weight.dtype
-        q, k, v, o, g, u, dn = (matrix(m)[1] for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-                                                     mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        q, k, v, o, g, u, dn = (matrix(m)[1] for m in projections(self).values())
         n1, n2 = self.input_layernorm["weight"], self.post_attention_layernorm["weight"]
         eps = mx.array([self.input_layernorm.eps], dtype=mx.float32)
         eps2 = mx.array([self.post_attention_layernorm.eps], dtype=mx.float32)
@@ -222,32 +235,59 @@ class FusedLayer(TransformerBlock):
         hq, hkv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
         d, f = n1.shape[0], mlp_width(mlp)
         tpl, grid, thr, smem = plan.templates, plan.grids, plan.threads, plan.shared
-        kin, katt, kout, mlin, mlout = (kernel(n) for n in KERNELS)
+        kin, katt, kout, mlin, mlout = (kernel(n, smem[n]) for n in KERNELS)
 
         def run(kern, name: str, inputs: list, shape: tuple, dtype: mx.Dtype, grid_x: int) -> mx.array:
             return kern(inputs=inputs, template=tpl[name], grid=(grid_x, 1, 1), threadgroup=(thr[name], 1, 1),
-                        output_shapes=[shape], output_dtypes=[dtype], shared_memory=smem[name])[0]
+                        output_shapes=[shape], output_dtypes=[dtype])[0]
 
-        def step(x: mx.array, cache: KVCache) -> tuple[mx.array, ...]:
-            at = position(cache.offset)
-            query = run(kin, "attn_in", [x, n1, eps, *q, *k, *v, freqs, at, cache.keys, cache.values],
-                        (1, 1, hq * hd), dt, grid["attn_in"])
-            part = run(katt, "attend", [query, cache.keys, cache.values, at, scale],
-                       (splits(cache.offset + 1, hkv), hq, hd + 2), mx.float32,
-                       thr["attend"] * hkv * splits(cache.offset + 1, hkv))
-            h = run(kout, "attn_out", [part, *o, x], (1, 1, d), dt, grid["attn_out"])
-            a = run(mlin, "mlp_in", [h, n2, eps2, *g, *u], (1, 1, f), dt, grid["mlp_in"])
-            return query, part, h, a, run(mlout, "mlp_out", [a, *dn, h], (1, 1, d), dt, grid["mlp_out"])
-        return step
+        def attend(query: mx.array, cache: KVCache, at: mx.array) -> mx.array:
+            n = splits(cache.offset + 1, hkv)
+            return run(katt, "attend", [query, cache.keys, cache.values, at, scale], (n, hq, hd + 2), mx.float32,
+                       thr["attend"] * hkv * n)
+
+        return {
+            "attn_in": lambda x, cache, at: run(kin, "attn_in", [x, n1, eps, *q, *k, *v, freqs, at, cache.keys,
+                                                                 cache.values], (1, 1, hq * hd), dt, grid["attn_in"]),
+            "attend": attend,
+            "attn_out": lambda part, x: run(kout, "attn_out", [part, *o, x], (1, 1, d), dt, grid["attn_out"]),
+            "mlp_in": lambda h: run(mlin, "mlp_in", [h, n2, eps2, *g, *u], (1, 1, f), dt, grid["mlp_in"]),
+            "mlp_out": lambda a, h: run(mlout, "mlp_out", [a, *dn, h], (1, 1, d), dt, grid["mlp_out"]),
+        }
+
+    def step(self, x: mx.array, cache: KVCache) -> tuple[mx.array, ...]:
+        """One fused decode step of x (1, 1, d): every kernel's output, (query, attention partials, h, MLP
+        hidden, y). k and v land in the cache at its offset, which the caller advances."""
+        st, at = self.stages, position(cache.offset)
+        query = st["attn_in"](x, cache, at)
+        part = st["attend"](query, cache, at)
+        h = st["attn_out"](part, x)
+        a = st["mlp_in"](h)
+        return query, part, h, a, st["mlp_out"](a, h)
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
-        if self.step is None or x.shape[:2] != (1, 1) or type(cache) is not KVCache or cache.batch != 1 \
+        if not self.on or x.shape[:2] != (1, 1) or type(cache) is not KVCache or cache.batch != 1 \
                 or cache.dtype != x.dtype or x.dtype != self.input_layernorm.weight.dtype:
             return super().__call__(x, mask, cache)
         cache.room(1)
         y = self.step(x, cache)[-1]
         cache.offset += 1
         return y
+
+
+def kernel_bytes(layer: FusedLayer, name: str, keys: int) -> int:
+    """Bytes one call of a kernel must read: its matrices (codes, scales and biases) and norm weights; attend
+    the keys and values of `keys` positions."""
+    nbytes = 0
+    for m in READS[name]:
+        fmt, arrays = matrix(projections(layer)[m])
+        nbytes += sum(a.nbytes for a in (arrays[:1] if fmt.bits == 16 else arrays))   # dense: w once
+    if name in ("attn_in", "mlp_in"):
+        nbytes += layer.input_layernorm.weight.nbytes
+    if name == "attend":
+        attn = layer.self_attn
+        nbytes += 2 * attn.n_kv_heads * keys * attn.head_dim * layer.input_layernorm.weight.itemsize
+    return nbytes
 
 
 def fuse(model: Model, on: bool = True) -> dict[int, str]:
@@ -268,6 +308,39 @@ def fuse(model: Model, on: bool = True) -> dict[int, str]:
         model.layers[i] = FusedLayer(block)
         model.layers[i].switch(on)
     return left
+
+
+def decode_seconds(model: Model, tokens: int = 16, context: int = 64) -> float:
+    """Seconds per token of pipelined greedy decode (async_eval: step t+1 is built while the GPU runs step t)
+    after a `context`-token prompt of zeros, the first step untimed."""
+    cache = model.make_cache(context + tokens + 2)
+    y = mx.argmax(prefill(model, mx.zeros((1, context), dtype=mx.int32), cache), axis=-1)
+    step = decoder(model, cache)
+    y = mx.argmax(step(y), axis=-1)
+    mx.eval(y)
+    start = clock()
+    for _ in range(tokens):
+        y = mx.argmax(step(y), axis=-1)
+        mx.async_eval(y)
+    mx.eval(y)
+    return (clock() - start) / tokens
+
+
+def choose(model: Model, rounds: int = 3) -> tuple[bool, dict[str, float]]:
+    """Fuse what `fuse` can, then time decode with the fused layers on and off, interleaved over `rounds`, and
+    keep the faster on: (fused on, median ms per token of each setting). Off CUDA: nothing fused or timed."""
+    if not on_cuda() or not any(isinstance(b, FusedLayer) for b in model.layers) and len(fuse(model)) == \
+            len(model.layers):
+        return False, {}
+    times: dict[str, list[float]] = {"fused": [], "unfused": []}
+    for _ in range(rounds):
+        for name in times:
+            enable(model, name == "fused")
+            times[name].append(decode_seconds(model) * 1e3)
+    ms = {k: median(v) for k, v in times.items()}
+    on = ms["fused"] < ms["unfused"]
+    enable(model, on)
+    return on, ms
 
 
 def enable(model: Model, on: bool) -> int:

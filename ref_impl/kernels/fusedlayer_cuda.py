@@ -1,11 +1,11 @@
 """The CUDA C++ source of the fused decoder-layer kernels: one decode step of a Llama layer in five launches.
 
-decoder.py says what each kernel does and launches them; this module is their text. The header (namespace
+fusedlayer.py says what each kernel does and launches them; this module is their text. The header (namespace
 ref_layer) builds on cuda.py's GEMV device functions (weight loads, 4- and 8-bit code decoding, float16
 pairs, warp sums), so a matrix is read the same way in both. Every kernel that multiplies by a matrix
 first stages its input row in shared memory as float32, with one pad float after every 32 so that lane l,
 reading values 32c..32c+31 of its chunk c, meets a bank no other lane meets (bank (c + i) mod 32).
-`SOURCES` maps each kernel to its body; the bodies name their inputs as decoder.py passes them.
+`SOURCES` maps each kernel to its body; the bodies name their inputs as fusedlayer.py passes them.
 
 See chapter: dispatch-kernel
 """
@@ -117,6 +117,21 @@ __device__ __forceinline__ void row_ptrs(const void* w, const T* s, const T* b, 
   br = BITS == 16 ? nullptr : b + (int64_t)row * (k / GROUP);
 }
 
+// An L2 prefetch of the first U chunks a lane will read of each of its rows (`words` 32-bit words a row):
+// HBM starts on them while the block stages its input row, which the dot must wait for
+template <int RW, int U>
+__device__ __forceinline__ void prefetch(const uint32_t* const (&w)[RW], int words) {
+  const int lane = threadIdx.x & 31;
+  #pragma unroll
+  for (int r = 0; r < RW; ++r) {
+    #pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = lane + 32 * u;
+      if (4 * c < words) asm volatile("prefetch.global.L2 [%0];" :: "l"(w[r] + 4 * c));
+    }
+  }
+}
+
 // The block stages RMSNorm(x) * w (k values) in xs, as MLX rounds it: x * rsqrt(mean(x^2) + eps) to T, times w to T
 template <typename T>
 __device__ __forceinline__ void stage_norm(const T* x, const T* w, float eps, int k, float* xs) {
@@ -183,10 +198,11 @@ __device__ __forceinline__ void load_head(const T* p, float (&f)[E]) {
 }  // namespace ref_layer
 """
 
-# Each body runs in the signature MLX generates from decoder.py's input and output names; `xs` is the
-# dynamic shared memory decoder.py sizes. Template constants: T (the activation type), NW (warps per block),
+# Each body runs in the signature MLX generates from fusedlayer.py's input and output names; `xs` is the
+# dynamic shared memory fusedlayer.py sizes. Template constants: T (the activation type), NW (warps per block),
 # the formats of the matrices (B0, G0, ...: bits and group size; bits 16 is a dense matrix), and per kernel
-# the rows per warp R, the loads in flight U, the head size D, the query heads per key head G, TRAD.
+# the rows per warp R, the loads in flight U, the head size D, the query heads per key head G, keys a
+# warp of attend reads at once KB, TRAD.
 # `al`: every weight pointer 16-byte aligned (otherwise the 2-byte-load path, same results).
 
 # Norm, the q, k and v projections, RoPE and the cache write. A warp computes two rows that RoPE rotates
@@ -196,28 +212,35 @@ __device__ __forceinline__ void load_head(const T* p, float (&f)[E]) {
 ATTN_IN = r"""
   extern __shared__ float xs[];
   const int k = nw_shape[0], hkv = kc_shape[1], cap = kc_shape[2], hq = w0_shape[0] / D;
-  ::ref_layer::stage_norm<T>(x, nw, eps[0], k, xs);
   const int lane = threadIdx.x & 31, wid = blockIdx.x * NW + threadIdx.x / 32;
   const int nq = hq * D / 2, nk = hkv * D / 2;
-  if (wid >= nq + 2 * nk) return;
+  const bool live = wid < nq + 2 * nk;
   const int which = wid < nq ? 0 : wid < nq + nk ? 1 : 2;
-  const int p = wid - (which == 0 ? 0 : which == 1 ? nq : nq + nk);   // the row pair in its matrix
+  const int p = live ? wid - (which == 0 ? 0 : which == 1 ? nq : nq + nk) : 0;   // the row pair in its matrix
   const int head = 2 * p / D, i = p % (D / 2);
   int row[2];
   if (which == 2 || TRAD) { row[0] = 2 * p; row[1] = 2 * p + 1; }
   else { row[0] = head * D + i; row[1] = head * D + i + D / 2; }
-  const bool al = (((uintptr_t)w0 | (uintptr_t)w1 | (uintptr_t)w2) & 15) == 0;
   const uint32_t* wr[2];
   const T* sr[2];
   const T* br[2];
+  #pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (which == 0) ::ref_layer::row_ptrs<T, B0, G0>(w0, s0, b0, k, row[r], wr[r], sr[r], br[r]);
+    else if (which == 1) ::ref_layer::row_ptrs<T, B1, G1>(w1, s1, b1, k, row[r], wr[r], sr[r], br[r]);
+    else ::ref_layer::row_ptrs<T, B2, G2>(w2, s2, b2, k, row[r], wr[r], sr[r], br[r]);
+  }
+  if (live) ::ref_layer::prefetch<2, U>(wr, k * (which == 0 ? B0 : which == 1 ? B1 : B2) / 32);
+  ::ref_layer::stage_norm<T>(x, nw, eps[0], k, xs);
+  if (!live) return;
+  const bool al = (((uintptr_t)w0 | (uintptr_t)w1 | (uintptr_t)w2) & 15) == 0;
   float y[2];
-  #define REF_DOT(B, G, W, S, BB) \
-    for (int r = 0; r < 2; ++r) ::ref_layer::row_ptrs<T, B, G>(W, S, BB, k, row[r], wr[r], sr[r], br[r]); \
+  #define REF_DOT(B, G) \
     if (al) ::ref_layer::dot<true, T, B, G, 2, U>(xs, k, wr, sr, br, y); \
     else ::ref_layer::dot<false, T, B, G, 2, U>(xs, k, wr, sr, br, y);
-  if (which == 0) { REF_DOT(B0, G0, w0, s0, b0) }
-  else if (which == 1) { REF_DOT(B1, G1, w1, s1, b1) }
-  else { REF_DOT(B2, G2, w2, s2, b2) }
+  if (which == 0) { REF_DOT(B0, G0) }
+  else if (which == 1) { REF_DOT(B1, G1) }
+  else { REF_DOT(B2, G2) }
   #undef REF_DOT
   if (lane != 0) return;
   float a = ::ref_layer::rnd<T>(y[0]), c = ::ref_layer::rnd<T>(y[1]);   // the projections, in T
@@ -260,20 +283,41 @@ ATTEND = r"""
     #pragma unroll
     for (int e = 0; e < E; ++e) { qv[g][e] *= scale[0]; acc[g][e] = 0.0f; }
   }
-  for (int j = j0 + warp; j < j1; j += NW) {
-    float kv[E], vv[E];
-    ::ref_layer::load_head<T, E>(kc + ((int64_t)hk * cap + j) * D + lane * E, kv);
-    ::ref_layer::load_head<T, E>(vc + ((int64_t)hk * cap + j) * D + lane * E, vv);
+  // KB consecutive keys per warp at a time: their loads in flight together, their sums interleaved
+  for (int j = j0 + warp * KB; j < j1; j += NW * KB) {
+    float kv[KB][E], vv[KB][E];
+    #pragma unroll
+    for (int b = 0; b < KB; ++b) {
+      const int64_t at = (int64_t)hk * cap + min(j + b, j1 - 1);     // past the end: re-read, masked below
+      ::ref_layer::load_head<T, E>(kc + at * D + lane * E, kv[b]);
+      ::ref_layer::load_head<T, E>(vc + at * D + lane * E, vv[b]);
+    }
     #pragma unroll
     for (int g = 0; g < G; ++g) {
-      float sc = 0.0f;
+      float sc[KB];
       #pragma unroll
-      for (int e = 0; e < E; ++e) sc = fmaf(qv[g][e], kv[e], sc);
-      sc = ::ref_layer::warp_sum(sc);
-      const float mn = fmaxf(m[g], sc), corr = expf(m[g] - mn), pj = expf(sc - mn);
-      l[g] = fmaf(l[g], corr, pj);
+      for (int b = 0; b < KB; ++b) {
+        float t = 0.0f;
+        #pragma unroll
+        for (int e = 0; e < E; ++e) t = fmaf(qv[g][e], kv[b][e], t);
+        sc[b] = t;
+      }
       #pragma unroll
-      for (int e = 0; e < E; ++e) acc[g][e] = fmaf(acc[g][e], corr, pj * vv[e]);
+      for (int b = 0; b < KB; ++b) sc[b] = j + b < j1 ? ::ref_layer::warp_sum(sc[b]) : ::ref_layer::neg_inf();
+      float mn = m[g];
+      #pragma unroll
+      for (int b = 0; b < KB; ++b) mn = fmaxf(mn, sc[b]);
+      const float corr = expf(m[g] - mn);
+      l[g] *= corr;
+      #pragma unroll
+      for (int e = 0; e < E; ++e) acc[g][e] *= corr;
+      #pragma unroll
+      for (int b = 0; b < KB; ++b) {
+        const float pj = expf(sc[b] - mn);
+        l[g] += pj;
+        #pragma unroll
+        for (int e = 0; e < E; ++e) acc[g][e] = fmaf(pj, vv[b][e], acc[g][e]);
+      }
       m[g] = mn;
     }
   }
@@ -306,15 +350,16 @@ ATTEND = r"""
 ATTN_OUT = r"""
   extern __shared__ float xs[];
   const int splits = part_shape[0], hq = part_shape[1], k = hq * D, n = x_shape[2];
-  ::ref_layer::stage_attention<T, D>(part, splits, hq, xs);
   const int lane = threadIdx.x & 31, row0 = (blockIdx.x * NW + threadIdx.x / 32) * R;
-  if (row0 >= n) return;
   const uint32_t* wr[R];
   const T* sr[R];
   const T* br[R];
   float acc[R];
   for (int r = 0; r < R; ++r)
     ::ref_layer::row_ptrs<T, B0, G0>(w0, s0, b0, k, min(row0 + r, n - 1), wr[r], sr[r], br[r]);
+  if (row0 < n) ::ref_layer::prefetch<R, U>(wr, k * B0 / 32);
+  ::ref_layer::stage_attention<T, D>(part, splits, hq, xs);
+  if (row0 >= n) return;
   if ((((uintptr_t)w0) & 15) == 0) ::ref_layer::dot<true, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
   else ::ref_layer::dot<false, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
   if (lane < R && row0 + lane < n) {
@@ -330,9 +375,7 @@ ATTN_OUT = r"""
 MLP_IN = r"""
   extern __shared__ float xs[];
   const int k = nw_shape[0], n = w0_shape[0];
-  ::ref_layer::stage_norm<T>(x, nw, eps[0], k, xs);
   const int lane = threadIdx.x & 31, row0 = (blockIdx.x * NW + threadIdx.x / 32) * R;
-  if (row0 >= n) return;
   const uint32_t* wr[2 * R];
   const T* sr[2 * R];
   const T* br[2 * R];
@@ -342,6 +385,9 @@ MLP_IN = r"""
     ::ref_layer::row_ptrs<T, B0, G0>(w0, s0, b0, k, row, wr[r], sr[r], br[r]);
     ::ref_layer::row_ptrs<T, B0, G0>(w1, s1, b1, k, row, wr[R + r], sr[R + r], br[R + r]);
   }
+  if (row0 < n) ::ref_layer::prefetch<2 * R, U>(wr, k * B0 / 32);
+  ::ref_layer::stage_norm<T>(x, nw, eps[0], k, xs);
+  if (row0 >= n) return;
   if (((((uintptr_t)w0) | ((uintptr_t)w1)) & 15) == 0)
     ::ref_layer::dot<true, T, B0, G0, 2 * R, U>(xs, k, wr, sr, br, acc);
   else ::ref_layer::dot<false, T, B0, G0, 2 * R, U>(xs, k, wr, sr, br, acc);
@@ -359,15 +405,16 @@ MLP_IN = r"""
 MLP_OUT = r"""
   extern __shared__ float xs[];
   const int k = a_shape[2], n = h_shape[2];
-  ::ref_layer::stage_row<T>(a, k, xs);
   const int lane = threadIdx.x & 31, row0 = (blockIdx.x * NW + threadIdx.x / 32) * R;
-  if (row0 >= n) return;
   const uint32_t* wr[R];
   const T* sr[R];
   const T* br[R];
   float acc[R];
   for (int r = 0; r < R; ++r)
     ::ref_layer::row_ptrs<T, B0, G0>(w0, s0, b0, k, min(row0 + r, n - 1), wr[r], sr[r], br[r]);
+  if (row0 < n) ::ref_layer::prefetch<R, U>(wr, k * B0 / 32);
+  ::ref_layer::stage_row<T>(a, k, xs);
+  if (row0 >= n) return;
   if ((((uintptr_t)w0) & 15) == 0) ::ref_layer::dot<true, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
   else ::ref_layer::dot<false, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
   if (lane < R && row0 + lane < n) {
@@ -379,7 +426,7 @@ MLP_OUT = r"""
 """
 
 # kernel -> (input names, output names, body); a matrix is w (codes or dense), s, b (scales and biases:
-# for a dense matrix decoder.py passes w again in their place, and the kernel never reads them)
+# for a dense matrix fusedlayer.py passes w again in their place, and the kernel never reads them)
 SOURCES = {
     "attn_in": (["x", "nw", "eps", "w0", "s0", "b0", "w1", "s1", "b1", "w2", "s2", "b2", "freqs", "pos", "kc", "vc"],
                 ["q"], ATTN_IN),
