@@ -874,13 +874,14 @@ def test_fused_layer_launches_cover_every_row():
     rows = {"attn_in": (32 + 16) * 128, "attn_out": 4096, "mlp_in": 14336, "mlp_out": 4096}
     for name, n in rows.items():
         warps = plan.grids[name] // 32
-        need = -(-n // fusedlayer.ROWS_PER_WARP)
-        assert need <= warps < need + fusedlayer.WARPS, (name, warps, need)
-        assert plan.grids[name] % plan.threads[name] == 0
+        need = -(-n // (2 if name == "attn_in" else fusedlayer.ROWS_PER_WARP))
+        assert need <= warps < need + fusedlayer.WARPS[name], (name, warps, need)
+        assert plan.grids[name] % plan.threads[name] == 0 and plan.threads[name] == 32 * fusedlayer.WARPS[name]
     widths = {"attn_in": 4096, "attn_out": 4096, "mlp_in": 4096, "mlp_out": 14336}
-    for name, k in widths.items():      # the last padded index, k - 1 + (k - 1) // 32, fits
-        assert plan.shared[name] >= 4 * (k + (k - 1) // 32)
-    assert plan.shared["attend"] == 4 * fusedlayer.ATTEND_WARPS * 4 * 130
+    for name, k in widths.items():      # the last padded index, k - 1 + 4 (k - 1) // 32, fits
+        assert plan.shared[name] >= 4 * (k + 4 * ((k - 1) // 32))
+    assert plan.shared["attn_out"] >= 4 * (4096 + 4 * 4095 // 32 + 32 * fusedlayer.MAX_SPLITS)   # + split weights
+    assert plan.shared["attend"] == 4 * fusedlayer.WARPS["attend"] * 4 * 130
     assert dict(plan.templates["attend"])["G"] == 4
     assert dict(plan.templates["attn_in"])["B2"] == 8 and dict(plan.templates["mlp_out"])["B0"] == 8
     assert [fusedlayer.splits(n, 8) for n in (1, 64, 65, 256, 10 ** 6)] == [1, 1, 2, 4, fusedlayer.MAX_SPLITS]

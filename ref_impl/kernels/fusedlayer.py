@@ -50,9 +50,11 @@ from ref_impl.kernels.layers import GEMVLinear, format_of, on_cuda
 from ref_impl.platform.timing import clock, median
 
 KERNELS = tuple(SOURCES)
-WARPS = 8               # warps per block of the matrix kernels
-ATTEND_WARPS = 8        # warps per block of attend
-ROWS_PER_WARP = 2       # output rows a warp computes (attn_in: a RoPE pair)
+# warps per block: a block stages its input row once for all its warps, so more warps share that cost; the
+# kernels of 4096 output rows keep 8, so that their 256 blocks still fill 132 SMs; mlp_in's 4-bit body needs
+# 128 registers a thread, and 12 warps of it stay under an SM's 65536 with room to spare
+WARPS = {"attn_in": 16, "attend": 8, "attn_out": 8, "mlp_in": 12, "mlp_out": 8}
+ROWS_PER_WARP = 2       # output rows a warp computes (attn_in: always one RoPE pair)
 UNROLL = {"attn_in": 4, "attn_out": 4, "mlp_in": 2, "mlp_out": 4}   # 16-byte loads per row in flight
 KEYS_PER_SPLIT = 64     # attend: one block per key head and this many positions
 KEYS_AT_ONCE = 4        # attend: keys a warp loads before it computes
@@ -65,8 +67,8 @@ MATRICES = tuple(m for ms in READS.values() for m in ms)
 
 
 def padded(k: int) -> int:
-    """Floats of shared memory for a staged row of k values: one pad float after every 32 (fusedlayer_cuda.pad)."""
-    return k + k // 32 + 1
+    """Floats of shared memory for a staged row of k values: four pad floats after every 32 (fusedlayer_cuda.pad)."""
+    return k + 4 * (k // 32) + 4
 
 
 def splits(keys: int, kv_heads: int) -> int:
@@ -166,24 +168,27 @@ def launches(block: TransformerBlock) -> Launches:
     def fmt(i: int, fm: Format) -> list:
         return [(f"B{i}", fm.bits), (f"G{i}", fm.group_size or 1)]
 
-    def blocks(rows: int) -> int:
-        warps = -(-rows // ROWS_PER_WARP)
-        return -(-warps // WARPS)
+    def blocks(name: str, rows: int, per_warp: int = ROWS_PER_WARP) -> int:
+        warps = -(-rows // per_warp)
+        return -(-warps // WARPS[name])
 
-    common = [("T", t), ("NW", WARPS)]
+    def head(name: str) -> list:
+        return [("T", t), ("NW", WARPS[name])]
+
     templates = {
-        "attn_in": common + fmt(0, fmts[0]) + fmt(1, fmts[1]) + fmt(2, fmts[2])
+        "attn_in": head("attn_in") + fmt(0, fmts[0]) + fmt(1, fmts[1]) + fmt(2, fmts[2])
         + [("D", hd), ("U", UNROLL["attn_in"]), ("TRAD", attn.rope_traditional)],
-        "attend": [("T", t), ("NW", ATTEND_WARPS), ("D", hd), ("G", hq // hkv), ("KB", KEYS_AT_ONCE)],
-        "attn_out": common + fmt(0, fmts[3]) + [("R", ROWS_PER_WARP), ("U", UNROLL["attn_out"]), ("D", hd)],
-        "mlp_in": common + fmt(0, fmts[4]) + [("R", ROWS_PER_WARP), ("U", UNROLL["mlp_in"])],
-        "mlp_out": common + fmt(0, fmts[6]) + [("R", ROWS_PER_WARP), ("U", UNROLL["mlp_out"])],
+        "attend": head("attend") + [("D", hd), ("G", hq // hkv), ("KB", KEYS_AT_ONCE)],
+        "attn_out": head("attn_out") + fmt(0, fmts[3]) + [("R", ROWS_PER_WARP), ("U", UNROLL["attn_out"]), ("D", hd)],
+        "mlp_in": head("mlp_in") + fmt(0, fmts[4]) + [("R", ROWS_PER_WARP), ("U", UNROLL["mlp_in"])],
+        "mlp_out": head("mlp_out") + fmt(0, fmts[6]) + [("R", ROWS_PER_WARP), ("U", UNROLL["mlp_out"])],
     }
-    threads = {k: 32 * (ATTEND_WARPS if k == "attend" else WARPS) for k in KERNELS}
-    counts = {"attn_in": blocks((hq + 2 * hkv) * hd), "attn_out": blocks(d), "mlp_in": blocks(f), "mlp_out": blocks(d)}
+    threads = {k: 32 * WARPS[k] for k in KERNELS}
+    counts = {"attn_in": blocks("attn_in", (hq + 2 * hkv) * hd, per_warp=2), "attn_out": blocks("attn_out", d),
+              "mlp_in": blocks("mlp_in", f), "mlp_out": blocks("mlp_out", d)}
     grids = {k: threads[k] * b for k, b in counts.items()}
-    shared = {"attn_in": 4 * padded(d), "attend": 4 * ATTEND_WARPS * (hq // hkv) * (hd + 2),
-              "attn_out": 4 * padded(hq * hd), "mlp_in": 4 * padded(d), "mlp_out": 4 * padded(f)}
+    shared = {"attn_in": 4 * padded(d), "attend": 4 * WARPS["attend"] * (hq // hkv) * (hd + 2),
+              "attn_out": 4 * (padded(hq * hd) + hq * MAX_SPLITS), "mlp_in": 4 * padded(d), "mlp_out": 4 * padded(f)}
     return Launches(templates, grids, threads, shared)
 
 

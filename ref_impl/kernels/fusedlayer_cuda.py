@@ -22,7 +22,15 @@ using ::ref_gemv::from_float;
 using ::ref_gemv::warp_sum;
 using ::ref_gemv::word;
 
-__device__ __forceinline__ int pad(int e) { return e + (e >> 5); }
+// four pad floats after every 32 values: 16-byte reads stay aligned, and 8 lanes reading chunks of 32, 16 or 8
+// consecutive values (one 16-byte read each per step) meet 8 different bank groups
+__device__ __forceinline__ int pad(int e) { return e + 4 * (e >> 5); }
+
+// 8 values of T at p (16-byte aligned) as floats
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float (&f)[8]) {
+  ::ref_gemv::unpack<T>(*reinterpret_cast<const uint4*>(p), f);
+}
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
@@ -78,18 +86,29 @@ __device__ __forceinline__ void dot(const float* xs, int k, const uint32_t* cons
     for (int u = 0; u < U; ++u) {
       const int c = c0 + 32 * u;
       if (c < chunks) {
-        const float* xc = xs + c * CV + ((c * CV) >> 5);   // a chunk never crosses a pad
+        const float* xc = xs + pad(c * CV);   // a chunk never crosses a pad: contiguous, 16-byte aligned
         float acc[RW], xsum = 0.0f;
         #pragma unroll
         for (int r = 0; r < RW; ++r) acc[r] = 0.0f;
         #pragma unroll
         for (int i = 0; i < 4; ++i) {
           float xv[V];
-          #pragma unroll
-          for (int e = 0; e < V; ++e) {
-            xv[e] = xc[i * V + e];
-            xsum += xv[e];
+          if constexpr (V >= 4) {
+            #pragma unroll
+            for (int j = 0; j < V / 4; ++j) {
+              const float4 v4 = reinterpret_cast<const float4*>(xc)[i * (V / 4) + j];
+              xv[4 * j] = v4.x;
+              xv[4 * j + 1] = v4.y;
+              xv[4 * j + 2] = v4.z;
+              xv[4 * j + 3] = v4.w;
+            }
+          } else {
+            const float2 v2 = reinterpret_cast<const float2*>(xc)[i];
+            xv[0] = v2.x;
+            xv[1] = v2.y;
           }
+          #pragma unroll
+          for (int e = 0; e < V; ++e) xsum += xv[e];
           #pragma unroll
           for (int r = 0; r < RW; ++r) {
             float q[V];
@@ -132,14 +151,19 @@ __device__ __forceinline__ void prefetch(const uint32_t* const (&w)[RW], int wor
   }
 }
 
-// The block stages RMSNorm(x) * w (k values) in xs, as MLX rounds it: x * rsqrt(mean(x^2) + eps) to T, times w to T
+// The block stages RMSNorm(x) * w (k values, k a multiple of 8) in xs, as MLX rounds it: x * rsqrt(mean(x^2) +
+// eps) to T, times w to T. Aligned inputs are read 16 bytes (8 values) at a time.
 template <typename T>
 __device__ __forceinline__ void stage_norm(const T* x, const T* w, float eps, int k, float* xs) {
   __shared__ float red[32];
+  const bool vec = ((((uintptr_t)x) | ((uintptr_t)w)) & 15) == 0;
   float ss = 0.0f;
-  for (int e = threadIdx.x; e < k; e += blockDim.x) {
-    const float v = to_float(x[e]);
-    ss = fmaf(v, v, ss);
+  for (int c = threadIdx.x; c < k / 8; c += blockDim.x) {
+    float f[8];
+    if (vec) load8<T>(x + 8 * c, f);
+    else for (int i = 0; i < 8; ++i) f[i] = to_float(x[8 * c + i]);
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) ss = fmaf(f[i], f[i], ss);
   }
   ss = warp_sum(ss);
   if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = ss;
@@ -147,33 +171,63 @@ __device__ __forceinline__ void stage_norm(const T* x, const T* w, float eps, in
   float tot = 0.0f;
   for (int i = 0; i < (int)blockDim.x / 32; ++i) tot += red[i];
   const float r = rsqrtf(tot / k + eps);
-  for (int e = threadIdx.x; e < k; e += blockDim.x) xs[pad(e)] = rnd<T>(rnd<T>(to_float(x[e]) * r) * to_float(w[e]));
+  for (int c = threadIdx.x; c < k / 8; c += blockDim.x) {   // 8 values never cross a pad
+    float f[8], g[8];
+    if (vec) {
+      load8<T>(x + 8 * c, f);
+      load8<T>(w + 8 * c, g);
+    } else {
+      for (int i = 0; i < 8; ++i) { f[i] = to_float(x[8 * c + i]); g[i] = to_float(w[8 * c + i]); }
+    }
+    float* out = xs + pad(8 * c);
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = rnd<T>(rnd<T>(f[i] * r) * g[i]);
+  }
   __syncthreads();
 }
 
-// The block stages a row of k values of T in xs
+// The block stages a row of k values of T (k a multiple of 8) in xs
 template <typename T>
 __device__ __forceinline__ void stage_row(const T* a, int k, float* xs) {
-  for (int e = threadIdx.x; e < k; e += blockDim.x) xs[pad(e)] = to_float(a[e]);
+  const bool vec = (((uintptr_t)a) & 15) == 0;
+  for (int c = threadIdx.x; c < k / 8; c += blockDim.x) {
+    float f[8];
+    if (vec) load8<T>(a + 8 * c, f);
+    else for (int i = 0; i < 8; ++i) f[i] = to_float(a[8 * c + i]);
+    float* out = xs + pad(8 * c);
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = f[i];
+  }
   __syncthreads();
 }
 
 // The block stages the attention output (heads x D values) from the key-length splits' partial results
-// part (splits, heads, D + 2): per split and head, sum_j exp(s_j - m) v_j, then m and sum_j exp(s_j - m)
+// part (splits, heads, D + 2): per split and head, sum_j exp(s_j - m) v_j, then m and sum_j exp(s_j - m).
+// First each warp turns a head's maxima and sums into each split's weight (wts, heads x splits floats of
+// shared memory), then every value is one weighted sum over the splits.
 template <typename T, int D>
-__device__ __forceinline__ void stage_attention(const float* part, int splits, int heads, float* xs) {
-  for (int e = threadIdx.x; e < heads * D; e += blockDim.x) {
-    const int h = e / D, i = e % D;
-    float m = ::ref_layer::neg_inf();
-    for (int s = 0; s < splits; ++s) m = fmaxf(m, part[((int64_t)s * heads + h) * (D + 2) + D]);
-    float num = 0.0f, den = 0.0f;
-    for (int s = 0; s < splits; ++s) {
+__device__ __forceinline__ void stage_attention(const float* part, int splits, int heads, float* xs, float* wts) {
+  const int lane = threadIdx.x & 31, nw = blockDim.x / 32;
+  for (int h = threadIdx.x / 32; h < heads; h += nw) {
+    float m = neg_inf();
+    for (int s = lane; s < splits; s += 32) m = fmaxf(m, part[((int64_t)s * heads + h) * (D + 2) + D]);
+    m = warp_max(m);
+    float den = 0.0f;
+    for (int s = lane; s < splits; s += 32) {
       const float* p = part + ((int64_t)s * heads + h) * (D + 2);
-      const float f = p[D] == ::ref_layer::neg_inf() ? 0.0f : expf(p[D] - m);   // a split with no keys adds nothing
-      num = fmaf(f, p[i], num);
+      const float f = p[D] == neg_inf() ? 0.0f : expf(p[D] - m);   // a split with no keys adds nothing
+      wts[h * splits + s] = f;
       den = fmaf(f, p[D + 1], den);
     }
-    xs[pad(e)] = rnd<T>(num / den);
+    den = warp_sum(den);
+    for (int s = lane; s < splits; s += 32) wts[h * splits + s] /= den;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < heads * D; e += blockDim.x) {
+    const int h = e / D, i = e % D;
+    float v = 0.0f;
+    for (int s = 0; s < splits; ++s) v = fmaf(wts[h * splits + s], part[((int64_t)s * heads + h) * (D + 2) + i], v);
+    xs[pad(e)] = rnd<T>(v);
   }
   __syncthreads();
 }
@@ -358,7 +412,7 @@ ATTN_OUT = r"""
   for (int r = 0; r < R; ++r)
     ::ref_layer::row_ptrs<T, B0, G0>(w0, s0, b0, k, min(row0 + r, n - 1), wr[r], sr[r], br[r]);
   if (row0 < n) ::ref_layer::prefetch<R, U>(wr, k * B0 / 32);
-  ::ref_layer::stage_attention<T, D>(part, splits, hq, xs);
+  ::ref_layer::stage_attention<T, D>(part, splits, hq, xs, xs + ::ref_layer::pad(k) + 4);
   if (row0 >= n) return;
   if ((((uintptr_t)w0) & 15) == 0) ::ref_layer::dot<true, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
   else ::ref_layer::dot<false, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
