@@ -527,6 +527,20 @@ def test_fused_layer_timing_flow_with_stand_in_kernels():
         assert all(b.on == on for b in model.layers)
 
 
+def test_generate_says_what_it_chose_for_the_fused_layers():
+    """generate --kernels prints one line on the fused layers: off under --compile, a timed choice where layers
+    fuse (stand-ins timed here), and the first reason where none can."""
+    from ref_impl.__main__ import fused_layers
+
+    with stand_in_kernels():
+        model = layer_model(256, 8, 2, 512, "f16", layers=2)
+        assert "off (--compile" in fused_layers(model, compiled=True)
+        line = fused_layers(model, compiled=False)
+        pattern = r"fused layers: (on|off) for 2 of 2 layers \(decode [\d.]+ ms/token fused, [\d.]+ unfused\)"
+        assert re.fullmatch(pattern, line), line
+        wide = layer_model(256, 8, 2, 512, "f16", dtype=mx.float32)
+        assert fused_layers(wide, compiled=False).startswith("fused layers: none (q_proj")
+
 # --- on the GPU: every kernel against a float64 oracle ---------------------------------------------------
 
 def chain(la: kernels.Launch) -> int:

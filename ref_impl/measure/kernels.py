@@ -25,10 +25,10 @@ import mlx.nn as nn
 import numpy as np
 
 from ref_impl import kernels
-from ref_impl.kernels import fusedlayer
 from ref_impl.engine.generate import decoder, prefill
 from ref_impl.engine.model import Model, ModelArgs
 from ref_impl.engine.random import random_gguf_model
+from ref_impl.kernels import fusedlayer
 from ref_impl.measure.decode import bandwidth_records, decode_bytes, memory_bandwidth, ours
 from ref_impl.measure.peers import llama_bench_records
 from ref_impl.measure.records import canonical, dtype_name, record, weights_name
