@@ -740,6 +740,19 @@ def near_tie_or_equal(ref: mx.array, got: mx.array) -> bool:
     return top2[1] - top2[0] <= 2 * np.abs(ref - got).max()
 
 
+def agree_teacher_forced(ref: nn.Module, model: nn.Module, prompt: list[int], want: list[int], label: str) -> None:
+    """Teacher-forced on the reference's greedy tokens `want`: one row at a time for 12 tokens, then 4 rows at once
+    (a speculative verification), each argmax equal to the reference's or a near tie."""
+    caches = ref.make_cache(64), model.make_cache(64)
+    a, b = ref(mx.array([prompt]), caches[0]), model(mx.array([prompt]), caches[1])
+    for t in want[:12]:
+        assert near_tie_or_equal(a[0, -1], b[0, -1]), f"{label}: greedy token differs beyond a near tie"
+        a, b = ref(mx.array([[t]]), caches[0]), model(mx.array([[t]]), caches[1])
+    a, b = ref(mx.array([want[12:16]]), caches[0]), model(mx.array([want[12:16]]), caches[1])
+    for i in range(4):
+        assert near_tie_or_equal(a[0, i], b[0, i]), f"{label}: 4-row verification differs beyond a near tie"
+
+
 @cuda_only
 def test_patched_decoder_keeps_greedy_tokens():
     """Float16 measured for one row (every candidate timed, fused kernels included), 4-bit with the default
@@ -764,15 +777,7 @@ def test_patched_decoder_keeps_greedy_tokens():
             assert all(c.launch is not None for c in choices)
         want, ids = greedy(ref, prompt, 24), greedy(model, prompt, 24)
         print(f"  shipped model {quant or 'float16'} fuse={fuse}: greedy tokens equal: {want == ids}", flush=True)
-        # teacher-forced on the reference's tokens, one row at a time, then 4 rows (speculative verification)
-        caches = ref.make_cache(64), model.make_cache(64)
-        a, b = ref(mx.array([prompt]), caches[0]), model(mx.array([prompt]), caches[1])
-        for t in want[:12]:
-            assert near_tie_or_equal(a[0, -1], b[0, -1]), f"{quant}: greedy token differs beyond a near tie"
-            a, b = ref(mx.array([[t]]), caches[0]), model(mx.array([[t]]), caches[1])
-        a, b = ref(mx.array([want[12:16]]), caches[0]), model(mx.array([want[12:16]]), caches[1])
-        for i in range(4):
-            assert near_tie_or_equal(a[0, i], b[0, i]), f"{quant}: 4-row verification differs beyond a near tie"
+        agree_teacher_forced(ref, model, prompt, want, str(quant))
 
 
 # --- the fused decoder layer (kernels/fusedlayer.py) ----------------------------------------------------------
@@ -1005,14 +1010,7 @@ def test_fused_decoder_keeps_greedy_tokens():
         assert fusedlayer.fuse(model) == {}
         want, ids = greedy(ref, prompt, 24), greedy(model, prompt, 24)
         print(f"  shipped model {quant or 'float16'}, fused layers: greedy tokens equal: {want == ids}", flush=True)
-        caches = ref.make_cache(64), model.make_cache(64)
-        a, b = ref(mx.array([prompt]), caches[0]), model(mx.array([prompt]), caches[1])
-        for t in want[:12]:
-            assert near_tie_or_equal(a[0, -1], b[0, -1]), f"{quant}: greedy token differs beyond a near tie"
-            a, b = ref(mx.array([[t]]), caches[0]), model(mx.array([[t]]), caches[1])
-        a, b = ref(mx.array([want[12:16]]), caches[0]), model(mx.array([want[12:16]]), caches[1])
-        for i in range(4):
-            assert near_tie_or_equal(a[0, i], b[0, i]), f"{quant}: verification after fused steps differs"
+        agree_teacher_forced(ref, model, prompt, want, f"{quant} fused layers")
         assert want == ids
         assert kernels.count_kernels(model) < kernels.count_kernels(ref) / 2
 
