@@ -1,8 +1,9 @@
-"""Chapter "Writing a GEMV kernel" (book/dispatch/writing-a-kernel), Kernel tasks 1 to 3:
+"""Chapter "Writing a GEMV kernel" (book/dispatch/writing-a-kernel), Kernel tasks 1 to 4:
 `pytest tests/test_exercises_kernels.py -k kernel_task`."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from ref_impl import exercises as ex
@@ -152,3 +153,27 @@ def test_kernel_task_3_reports_launch_config_refusing_a_choice(monkeypatch):
     monkeypatch.setattr(launch_rules, "launch_config", refuses_2_4)   # the launch rules the checker reads
     r = ex.check_launch_choice(lambda *_: (2, 4))
     assert not r and "launch_config refuses it: no (2, 4) here" in r.message, r.message
+
+
+def merge_by_hand(m, l, acc):
+    w = np.exp(m - np.max(m))                 # each split rescaled to the largest maximum; an empty split weighs 0
+    return w @ acc / (w @ l)
+
+
+def test_kernel_task_4_accepts_the_merged_softmax():
+    r = ex.check_merge_splits(merge_by_hand)
+    assert r and "4 cases" in r.message
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda m, l, acc: acc.sum(0) / l.sum(), "rescale split s"),
+    (lambda m, l, acc: (acc / l[:, None])[l > 0].mean(0), "not 1 / splits"),
+    (lambda m, l, acc: np.exp(m - m.max()) @ acc, "dividing by the merged denominator"),
+    (lambda m, l, acc: np.exp(m - m.max()) @ acc / np.exp(m - m.max()).sum(), "denominator"),
+    (lambda m, l, acc: np.exp(m) @ acc / (np.exp(m) @ l), "NaN or inf"),
+    (lambda m, l, acc: merge_by_hand(m, l, acc)[:-1], "one per dimension"),
+])
+def test_kernel_task_4_names_the_mistake(wrong, hint):
+    with np.errstate(all="ignore"):
+        r = ex.check_merge_splits(wrong)
+    assert not r and hint in r.message, r.message

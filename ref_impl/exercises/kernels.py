@@ -1,8 +1,9 @@
-"""Exercises of chapter "Writing a GEMV kernel" (book/dispatch/writing-a-kernel): Kernel tasks 1 to 3.
+"""Exercises of chapter "Writing a GEMV kernel" (book/dispatch/writing-a-kernel): Kernel tasks 1 to 4.
 
 The bytes one GEMV launch must move, its least time at a given bandwidth, and a launch choice
-(rows per warp, unroll) that keeps the chapter's rules; checked against the kernels' launch rules
-(`kernels.launch_config`, pure Python: no GPU needed).
+(rows per warp, unroll) that keeps the chapter's rules, checked against the kernels' launch rules
+(`kernels.launch_config`, pure Python: no GPU needed); and the merge of attention's key-length splits
+that the fused layer's attn_out does, checked against the softmax over all keys at once.
 Tests: `pytest tests/test_exercises_kernels.py -k kernel_task`.
 
 See chapter: dispatch-kernel
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ref_impl.exercises.core import Result, judge_cases, run_answer, unit_slips
+from ref_impl.exercises.core import Result, as_array, judge_cases, run_answer, unit_slips
 from ref_impl.kernels import launch as kn
 
 
@@ -141,3 +142,69 @@ def check_launch_choice(fn) -> Result:
         if broken is not None:
             return Result(False, f"{task} ({label}): ({r}, {u}) breaks a rule. Hint: {broken}")
     return Result(True, f"{task}: right on all {len(_LAUNCH_CASES)} cases.")
+
+
+def _split_case(seed: int, keys: int, splits: int, d: int, spread: float, empty: bool):
+    """One head's attention over `keys` scores (normal, standard deviation `spread`) cut into `splits` runs of
+    keys (and a last split with none when `empty`): the partials (m, l, acc) attend writes, the output the
+    whole softmax gives, and the outputs of the usual wrong merges."""
+    rng = np.random.default_rng(seed)
+    scores, values = rng.normal(0.0, spread, keys), rng.normal(0.0, 1.0, (keys, d))
+    runs = np.array_split(np.arange(keys), splits) + ([np.arange(0)] if empty else [])
+    m = np.array([scores[r].max() if len(r) else -np.inf for r in runs])
+    e = [np.exp(scores[r] - mr) for r, mr in zip(runs, m)]
+    l = np.array([x.sum() for x in e])
+    acc = np.array([x @ values[r] for x, r in zip(e, runs)])
+    p = np.exp(scores - scores.max())
+    right = p @ values / p.sum()
+    with np.errstate(all="ignore"):
+        w = np.exp(m - m.max())
+        mistakes = [
+            (acc.sum(0) / l.sum(), "each split's sums are relative to its own maximum: rescale split s by "
+                                   "exp(m_s - M), M the largest m, before adding them up."),
+            ((acc / l[:, None])[l > 0].mean(0), "a split's share is not 1 / splits: weight split s by "
+                                                "exp(m_s - M) l_s over the merged denominator."),
+            (w @ acc, "the merged sum still needs dividing by the merged denominator, sum_s exp(m_s - M) l_s."),
+            (w @ acc / w.sum(), "the denominator is sum_s exp(m_s - M) l_s: l_s counts a split's keys' weights."),
+            (np.exp(m) @ acc / (np.exp(m) @ l), "exp(m_s) alone overflows for large scores: subtract the "
+                                                 "largest m first (the same factor cancels above and below)."),
+        ]
+    label = f"{keys} keys in {splits} split{'s' * (splits > 1)}" + (" and an empty one" if empty else "") + \
+        (f", scores up to ~{3 * spread:g}" if spread > 10 else "")
+    return (m, l, acc), label, right, mistakes
+
+
+def check_merge_splits(fn) -> Result:
+    """Kernel task 4: `fn(m, l, acc) -> out`, the attention output of one head (d values) from its key-length
+    splits' partials, as attend writes them and attn_out merges them: per split s, m[s] the largest score, l[s] =
+    sum_j exp(score_j - m[s]) and acc[s] = sum_j exp(score_j - m[s]) v_j (a split with no keys: -inf, 0, zeros).
+
+    Called on four cases (one split; uneven splits; an empty split; scores in the hundreds) against the softmax of
+    all the scores at once, within 1e-9 relative.
+    """
+    task = "Kernel task 4"
+    cases = [_split_case(0, 64, 1, 8, 1.0, False), _split_case(1, 300, 5, 16, 2.0, False),
+             _split_case(2, 100, 4, 8, 1.0, True), _split_case(3, 200, 3, 4, 300.0, False)]
+    for args, label, right, mistakes in cases:
+        out, failed = run_answer(task, label, fn, *args)
+        if failed is not None:
+            return failed
+        got, bad = as_array(task, label, out, f"{right.size} numbers")
+        if bad is not None:
+            return bad
+        if got.shape != right.shape:
+            return Result(False, f"{task} ({label}): expected {right.size} values (one per dimension of v), "
+                                 f"got shape {got.shape}.")
+        if np.allclose(got, right, rtol=1e-9, atol=1e-12):
+            continue
+        if not np.isfinite(got).all():
+            return Result(False, f"{task} ({label}): the output has NaN or inf. Hint: a split with no keys has "
+                                 "m = -inf and l = 0; subtract the largest m (finite: some split has keys), so its "
+                                 "weight exp(-inf) is 0; and exp of scores in the hundreds overflows unless you "
+                                 "subtract it.")
+        hint = next((h for value, h in mistakes if np.shape(value) == right.shape and np.isfinite(value).all()
+                     and np.allclose(got, value, rtol=1e-9, atol=1e-12)),
+                    "out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s, with M the largest m.")
+        err = np.abs(got - right).max() / np.abs(right).max()
+        return Result(False, f"{task} ({label}): off by {err:.3g} of the largest value. Hint: {hint}")
+    return Result(True, f"{task}: right on all {len(cases)} cases, within 1e-9.")
