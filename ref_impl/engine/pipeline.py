@@ -14,12 +14,12 @@ same on one host). The ring backend sends only to a rank's two neighbours, which
 needs: s -> s+1, and the last stage -> 0.
 
 Protocol, per step and hop s -> s+1: a header (one int32: the positions that follow; 0 stops the stage,
-which passes the 0 on and exits), then the hidden states (1, L, d) in the model's dtype; from the last
-stage to the first, the token (one int32). A decoded token puts (N-1)(4 + d x dtype bytes) + 4 bytes on
-the links (interconnect.pipeline_link_bytes); MLX's ring writes an array's bytes with no framing of its
-own, which the kernel's counters confirm (platform/tcp.py, recorded by `bench --pipeline`). The token
-comes back to the first stage alone, over the ring's closing hop: no other stage reads it, and a
-broadcast (all_sum) would cost N-1 hops.
+which passes the 0 on and exits), then the hidden states (1, L, d) in the model's dtype, the two as one
+message of bytes in decode steps (L = 1); from the last stage to the first, the token (one int32). A
+decoded token puts (N-1)(4 + d x dtype bytes) + 4 bytes on the links (interconnect.pipeline_link_bytes);
+MLX's ring writes an array's bytes with no framing of its own, which the kernel's counters confirm
+(platform/tcp.py, recorded by `bench --pipeline`). The token comes back to the first stage alone, over
+the ring's closing hop: no other stage reads it, and a broadcast (all_sum) would cost N-1 hops.
 
 Greedy tokens are plain decoding's: each stage applies `Model`'s own operations (embed_tokens, blocks,
 norm, logits) to the values a single process would, and the hidden state crosses bit for bit. The first
@@ -60,7 +60,7 @@ from ref_impl.engine.speculative import SpeculativeStep
 from ref_impl.formats import gguf
 from ref_impl.platform.tcp import TCPCounters
 from ref_impl.platform.timing import clock, wall
-from ref_impl.theory.interconnect import pipeline_link_bytes
+from ref_impl.theory.interconnect import HEADER_BYTES, pipeline_link_bytes
 from ref_impl.theory.shapes import PUBLIC, STAND_INS
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -201,21 +201,32 @@ class Stage:
         mx.eval(mx.distributed.send(x, dst))
         self.sent_bytes += x.nbytes
 
-    def send_hidden(self, h: mx.array | None) -> None:
-        """The header, then (unless stopping: None) the hidden states, to the next stage."""
+    def send_hidden(self, h: mx.array | None, prefill: bool = False) -> None:
+        """To the next stage: the prompt's hidden states as a header (their positions), then the states; a
+        decode step's as one message, the 4-byte header (1) and then the state's bytes; a stop (h None) as a
+        decode step's message with header 0. One message per decode hop: one eval, one wake-up, each side."""
         nxt = self.rank + 1
-        self.send(mx.array([0 if h is None else h.shape[1]], dtype=mx.int32), nxt)
-        if h is not None:
+        if prefill:
+            self.send(mx.array([h.shape[1]], dtype=mx.int32), nxt)
             self.send(h.astype(self.dtype), nxt)
+            return
+        header = mx.array([0 if h is None else 1], dtype=mx.int32)
+        body = mx.zeros((self.model.args.hidden_size,), self.dtype) if h is None else h.astype(self.dtype)
+        self.send(mx.concatenate([header.view(mx.uint8), body.reshape(-1).view(mx.uint8)]), nxt)
 
-    def recv_hidden(self) -> mx.array | None:
-        """The previous stage's hidden states (1, L, d), or None for a stop."""
-        header = mx.distributed.recv((1,), mx.int32, self.rank - 1)
-        n = int(header.item())
-        if n == 0:
-            return None
-        h = mx.distributed.recv((1, n, self.model.args.hidden_size), self.dtype, self.rank - 1)
-        mx.eval(h)
+    def recv_hidden(self, prefill: bool = False) -> mx.array | None:
+        """The previous stage's hidden states (1, L, d) as send_hidden sent them, or None for a stop."""
+        prev, d = self.rank - 1, self.model.args.hidden_size
+        if prefill:
+            n = int(mx.distributed.recv((1,), mx.int32, prev).item())   # a stop's header reads 0 here too
+            h = mx.distributed.recv((1, n, d), self.dtype, prev) if n else None
+        else:
+            msg = mx.distributed.recv((HEADER_BYTES + d * self.dtype.size,), mx.uint8, prev)
+            mx.eval(msg)
+            n = int(msg[:HEADER_BYTES].view(mx.int32).item())
+            h = msg[HEADER_BYTES:].view(self.dtype).reshape(1, 1, d) if n else None
+        if h is not None:
+            mx.eval(h)
         return h
 
     def stamp(self, step: int, positions: int, **times: float) -> None:
@@ -240,7 +251,7 @@ def first_steps(stage: Stage, prompt: list[int]) -> Iterator[SpeculativeStep]:
             y = int(out.item())
             stage.stamp(step, x.shape[1], t_in=t_in, t_done=t_done, t_sent=t_done, t_back=t_done)
         else:
-            stage.send_hidden(out)
+            stage.send_hidden(out, prefill=step == 0)
             t_sent = wall()
             y = int(mx.distributed.recv((1,), mx.int32, stage.config.stages - 1).item())
             stage.stamp(step, x.shape[1], t_in=t_in, t_done=t_done, t_sent=t_sent, t_back=wall())
@@ -254,7 +265,7 @@ def serve(stage: Stage) -> None:
     step = 0
     while True:
         t_wait = wall()
-        h = stage.recv_hidden()
+        h = stage.recv_hidden(prefill=stage.caches is None)
         if h is None:
             if not stage.last:
                 stage.send_hidden(None)
@@ -268,7 +279,7 @@ def serve(stage: Stage) -> None:
         if stage.last:
             stage.send(out.astype(mx.int32), 0)
         else:
-            stage.send_hidden(out)
+            stage.send_hidden(out, prefill=step == 0)
         stage.stamp(step, h.shape[1], t_wait=t_wait, t_in=t_in, t_done=t_done, t_sent=wall())
         step += 1
 

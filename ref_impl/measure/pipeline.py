@@ -115,16 +115,16 @@ def run_records(run: PipelineRun, name: str, weights: str, baseline: list[int] |
                                                     "polls its sockets while a stage waits" if n > cores else None))
     ms = {k: v * 1e3 for k, v in split.items()}
     out = [record("pipeline", "tokens_per_s", "tok/s", len(split["interval"]) / split["interval"].sum(), **common),
-           *(record("pipeline", f"{k}_ms", "ms", median(ms[k]), ms[k], **common)
+           *(record("pipeline", f"{k}_ms", "ms", median(ms[k]), samples=ms[k], **common)
              for k in ("interval", "compute", "link", "other"))]
-    out += [record("pipeline", "stage_compute_ms", "ms", median(ms[f"compute {r}"]), ms[f"compute {r}"],
+    out += [record("pipeline", "stage_compute_ms", "ms", median(ms[f"compute {r}"]), samples=ms[f"compute {r}"],
                    stage=r, layers=[run.spans[r].start, run.spans[r].stop], **common) for r in range(n)]
-    out += [record("pipeline", "hop_us", "us", median(v * 1e6), v * 1e6, hop=k[4:], **common)
+    out += [record("pipeline", "hop_us", "us", median(v * 1e6), samples=v * 1e6, hop=k[4:], **common)
             for k, v in split.items() if k.startswith("hop ")]
     out.append(record("pipeline", "link_bytes_per_token", "bytes", run.link_bytes_per_token(), **common))
     for key, metric in (("sent", "link_bytes_per_token_sent"), ("rx", "link_bytes_per_token_tcp")):
-        b = bytes_per_step(run, key, skip)
-        out.append(record("pipeline", metric, "bytes", median(b), b, **common) if b is not None else
+        b = bytes_per_step(run, key, skip) if n > 1 else np.zeros(len(split["interval"]))   # one stage: no link
+        out.append(record("pipeline", metric, "bytes", median(b), samples=b, **common) if b is not None else
                    record("pipeline", "skipped", "count", 0, **common | {"note": f"{metric}: no TCP counters here"}))
     for r in range(n):
         t = run.traces[r]["trace"]
