@@ -58,7 +58,7 @@ from ref_impl.engine.model import Model, ModelArgs, default_dtype
 from ref_impl.engine.random import args_for, random_model
 from ref_impl.engine.speculative import SpeculativeStep
 from ref_impl.formats import gguf
-from ref_impl.platform.tcp import TCPCounters
+from ref_impl.platform.tcp import Connections
 from ref_impl.platform.timing import clock, wall
 from ref_impl.theory.interconnect import HEADER_BYTES, pipeline_link_bytes
 from ref_impl.theory.shapes import PUBLIC, STAND_INS
@@ -168,7 +168,7 @@ class Stage:
     span: range
     model: Model
     dtype: mx.Dtype
-    counters: TCPCounters | None = None
+    links: Connections | None = None       # the kernel's view of this stage's sockets (Linux)
     caches: list | None = None
     sampler: Sampler | None = None
     trace: list[dict] = field(default_factory=list)
@@ -217,6 +217,7 @@ class Stage:
     def recv_hidden(self, prefill: bool = False) -> mx.array | None:
         """The previous stage's hidden states (1, L, d) as send_hidden sent them, or None for a stop."""
         prev, d = self.rank - 1, self.model.args.hidden_size
+        self.wait()
         if prefill:
             n = int(mx.distributed.recv((1,), mx.int32, prev).item())   # a stop's header reads 0 here too
             h = mx.distributed.recv((1, n, d), self.dtype, prev) if n else None
@@ -229,10 +230,17 @@ class Stage:
             mx.eval(h)
         return h
 
+    def wait(self) -> None:
+        """Sleep in the kernel until the next message starts to arrive, then let MLX's ring read it: its
+        socket threads would poll for it meanwhile, a core per waiting stage (on one host, the computing
+        stage's core)."""
+        if self.links is not None:
+            self.links.wait_readable()
+
     def stamp(self, step: int, positions: int, **times: float) -> None:
         """One step's instants (wall clock, comparable across processes) and the kernel's byte counter."""
         if self.config.trace:
-            rx = self.counters.received() if self.counters is not None else None
+            rx = self.links.received() if self.links is not None else None
             self.trace.append({"step": step, "positions": positions, **times, "rx": rx, "sent": self.sent_bytes,
                                "cpu": time.process_time()})
 
@@ -253,6 +261,7 @@ def first_steps(stage: Stage, prompt: list[int]) -> Iterator[SpeculativeStep]:
         else:
             stage.send_hidden(out, prefill=step == 0)
             t_sent = wall()
+            stage.wait()
             y = int(mx.distributed.recv((1,), mx.int32, stage.config.stages - 1).item())
             stage.stamp(step, x.shape[1], t_in=t_in, t_done=t_done, t_sent=t_sent, t_back=wall())
         yield SpeculativeStep([y], 0, 0)
@@ -310,10 +319,10 @@ def load_stage(config: PipelineConfig, rank: int) -> tuple[Stage, object | None]
     else:
         model, tokenizer = load(config.model, dtype, config.weights == "native", keep)
     stage = Stage(config, rank, span, model, dtype, sampler=config.sampler() if last else None)
-    if config.trace and config.stages > 1:
+    if config.stages > 1:
         ports = {int(a.rsplit(":", 1)[1]) for r in json.loads(Path(os.environ["MLX_HOSTFILE"]).read_text())
                  for a in r}
-        stage.counters = TCPCounters.find(ports)
+        stage.links = Connections.find(ports)
     return stage, tokenizer
 
 

@@ -1,11 +1,17 @@
-"""What crossed a process's TCP sockets, as the kernel counts it: bytes received and sent per connection.
+"""A process's TCP connections as the kernel sees them: bytes received and sent, and data waiting.
 
 The pipeline's stages (engine/pipeline.py) talk through sockets that MLX's ring backend opens inside the
-process, not through anything Python holds. Linux keeps per-connection counters in `struct tcp_info`
-(getsockopt TCP_INFO): `tcpi_bytes_received` (Linux 4.1+) and `tcpi_bytes_sent` (4.19+) count payload
-bytes, without TCP/IP headers and with retransmissions counted once in `bytes_received`. Reading them
-for the process's connections gives the bytes a stage took off the link, independent of what the
-protocol's own code says it sent. Elsewhere (macOS's tcp_info differs) `TCPCounters.find` returns None.
+process, not through anything Python holds; `Connections.find` takes duplicates of them by port. Two
+things the kernel knows about them are useful:
+
+* Linux keeps per-connection counters in `struct tcp_info` (getsockopt TCP_INFO): `tcpi_bytes_received`
+  (Linux 4.1+) and `tcpi_bytes_sent` (4.19+) count payload bytes, without TCP/IP headers and with
+  retransmissions counted once. Read for a stage's connections, they give the bytes it took off the
+  link, independent of what the protocol's own code says it sent.
+* Whether data is waiting (`wait_readable`, select(2)): a stage can sleep in the kernel until its input
+  arrives, where the ring's own socket threads would poll for it at a full core.
+
+Elsewhere (macOS's tcp_info differs, and it has no /proc) `Connections.find` returns None.
 
 Reference: Linux include/uapi/linux/tcp.h, `struct tcp_info` (the byte offsets below).
 
@@ -15,6 +21,7 @@ See chapter: pipeline
 from __future__ import annotations
 
 import os
+import select
 import socket
 import struct
 import sys
@@ -54,14 +61,14 @@ def connected_tcp(ports: set[int]) -> list[socket.socket]:
 
 
 @dataclass
-class TCPCounters:
-    """The kernel's byte counters of a set of connections (a stage's links to its neighbours)."""
+class Connections:
+    """The kernel's view of a set of connections (a pipeline stage's links to its neighbours)."""
     sockets: list[socket.socket]
 
     @classmethod
-    def find(cls, ports: set[int]) -> TCPCounters | None:
-        """The counters of this process's connections on `ports`, or None where they cannot be read
-        (not Linux, or no such connection)."""
+    def find(cls, ports: set[int]) -> Connections | None:
+        """This process's connections on `ports`, or None where they cannot be found or read (not Linux,
+        or no such connection)."""
         if not sys.platform.startswith("linux"):
             return None
         found = connected_tcp(ports)
@@ -81,6 +88,10 @@ class TCPCounters:
     def sent(self) -> int:
         """Payload bytes sent on these connections so far (0 before Linux 4.19)."""
         return self._field(BYTES_SENT_AT)
+
+    def wait_readable(self, timeout_s: float | None = None) -> bool:
+        """Sleep until data (or an end of stream) is waiting on one of the connections; False on timeout."""
+        return bool(select.select(self.sockets, [], [], timeout_s)[0])
 
     def close(self) -> None:
         """Close the duplicates (the connections themselves stay open)."""
