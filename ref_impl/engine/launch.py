@@ -147,6 +147,7 @@ class Ranks:
         return self
 
     def __exit__(self, *exc) -> None:
+        """Whatever happened, no rank outlives the block."""
         self.stop()
 
     def stop(self) -> None:
@@ -202,9 +203,9 @@ class Ranks:
         self.stop()                                 # also lets the reader threads take the last stderr lines
         parts = []
         for r in failed:
-            last = self.stderr[r][-1] if self.stderr[r] else "(nothing on stderr)"
+            last = self.stderr[r][-1] if self.stderr[r] else "no message"
             if "error: 98" in last:
                 last += " (errno 98: the port is in use)"
             parts.append(f"{self.names[r]} {describe_exit(self.procs[r].returncode)}: {last}")
-        stopped = f"; stopped {', '.join(self.names[r] for r in running)}" if running else ""
+        stopped = f"; stopped the others: {', '.join(self.names[r] for r in running)}" if running else ""
         raise RuntimeError("pipeline failed: " + "; then ".join(parts) + stopped)

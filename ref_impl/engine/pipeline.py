@@ -109,13 +109,16 @@ class PipelineConfig:
         return Techniques(kv=self.kv, fused=self.fused, pipeline=False, stages=self.stages)
 
     def sampler(self) -> Sampler:
+        """The last stage's sampler (seeded: every run of a config samples the same tokens)."""
         return Sampler(self.temperature, self.top_k, self.top_p, self.seed)
 
     def to_json(self) -> str:
+        """The config as the one argument of every rank's command line."""
         return json.dumps(dataclasses.asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> PipelineConfig:
+        """A rank's config from its command line (validated again, as any config)."""
         return cls(**json.loads(text))
 
 
@@ -176,10 +179,12 @@ class Stage:
 
     @property
     def first(self) -> bool:
+        """Whether this stage embeds the tokens (and leads: it runs the text loop)."""
         return self.rank == 0
 
     @property
     def last(self) -> bool:
+        """Whether this stage runs the head and samples."""
         return self.rank == self.config.stages - 1
 
     def start(self, positions: int) -> None:
@@ -198,6 +203,7 @@ class Stage:
         return self.sampler(m.logits(m.norm(h))[:, -1, :]) if self.last else h
 
     def send(self, x: mx.array, dst: int) -> None:
+        """Send one array to a neighbour (evaluated: it has left when this returns), counting its bytes."""
         mx.eval(mx.distributed.send(x, dst))
         self.sent_bytes += x.nbytes
 
@@ -401,10 +407,15 @@ def check(config: PipelineConfig) -> tuple[list[range], tuple[int, ...]]:
     return spans, free_ports(config.host, config.stages)
 
 
-def blas_threads(stages: int) -> int:
-    """OpenBLAS threads per stage on this host: its share of the cores (OPENBLAS_NUM_THREADS if set). Two
-    BLAS threads of two stages on one core wait on each other for tens of milliseconds (platform/blas.py)."""
-    return int(os.environ.get("OPENBLAS_NUM_THREADS") or max(1, (os.cpu_count() or 1) // stages))
+BLAS_THREAD_TIMEOUT = "4"   # OpenBLAS idle threads spin 2^4 cycles, not its default 2^28, before they sleep
+
+
+def blas_env() -> dict[str, str]:
+    """OpenBLAS settings for the stages on one host, unless set already: every stage gets every core (the
+    stages take turns, and a waiting one sleeps), and a stage's idle BLAS threads sleep at once instead of
+    spinning on the cores the next stage computes on (platform/blas.py says what spinning threads cost)."""
+    return {"OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS") or str(os.cpu_count() or 1),
+            "OPENBLAS_THREAD_TIMEOUT": os.environ.get("OPENBLAS_THREAD_TIMEOUT") or BLAS_THREAD_TIMEOUT}
 
 
 def generate(config: PipelineConfig, on_text: Callable[[str], None] | None = None) -> PipelineRun:
@@ -412,8 +423,8 @@ def generate(config: PipelineConfig, on_text: Callable[[str], None] | None = Non
     streamed to on_text. Refused before any process starts: more stages than layers, a port in use."""
     spans, ports = check(config)
     run, t0 = PipelineRun(config, spans), clock()
-    ring, env = Ring(config.host, ports), {"OPENBLAS_NUM_THREADS": str(blas_threads(config.stages))}
-    with Ranks("ref_impl.engine.pipeline", [config.to_json()], ring, describe(spans), env) as ranks:
+    ring = Ring(config.host, ports)
+    with Ranks("ref_impl.engine.pipeline", [config.to_json()], ring, describe(spans), blas_env()) as ranks:
         for rank, ev in ranks.events(config.timeout_s):
             if ev["event"] == "text" and on_text is not None:
                 on_text(ev["text"])

@@ -16,9 +16,11 @@ Bytes per token are counted three ways: the protocol's formula (interconnect.pip
 bytes the stages handed to mx.distributed.send, and the payload bytes the kernel's TCP counters saw
 arrive (platform/tcp.py, Linux).
 
-On one host the stages share its cores, and MLX's ring backend polls its sockets while a receive is
-pending (mlx/distributed/ring/ring.cpp), so a waiting stage keeps a core busy: with more stages than
-cores the computing stage gets a share of a core. The records say so (note, cpu_share per stage).
+On one host the stages share its cores. They take turns (one sequence), so each gets every core's
+OpenBLAS thread, a waiting stage sleeps in select(2) until its input arrives (MLX's ring would poll its
+sockets at a full core, mlx/distributed/ring/ring.cpp) and its idle BLAS threads sleep at once
+(engine/pipeline.py, blas_env). With more stages than cores the records say so (note); each stage's CPU
+use per second of decoding is recorded (cpu_share), and the OpenBLAS settings (blas).
 
 See chapter: pipeline
 """
@@ -34,7 +36,7 @@ import numpy as np
 
 from ref_impl import MODELS_DIR, RESULTS_DIR
 from ref_impl.engine.checkpoint import weight_types
-from ref_impl.engine.pipeline import PipelineConfig, PipelineRun, blas_threads, generate, is_shape, model_args_of
+from ref_impl.engine.pipeline import PipelineConfig, PipelineRun, blas_env, generate, is_shape, model_args_of
 from ref_impl.measure.records import record, select
 from ref_impl.platform.timing import median
 
@@ -109,10 +111,11 @@ def run_records(run: PipelineRun, name: str, weights: str, baseline: list[int] |
     split = token_split(run, skip)
     tr0 = run.traces[0]
     common = dict(model=name, weights=weights, kv=f"f{8 * tr0['act_bytes']}", context=len(run.prompt_tokens),
-                  variant=f"{n} stage{'s' * (n > 1)}", stages=n, cores=cores, blas_threads=blas_threads(n),
+                  variant=f"{n} stage{'s' * (n > 1)}", stages=n, cores=cores, blas=blas_env(),
                   hidden=tr0["hidden"], act_bytes=tr0["act_bytes"], seed=run.config.seed,
-                  gen_tokens=len(run.tokens), note=(f"{n} processes on {cores} cores: oversubscribed, and MLX's ring "
-                                                    "polls its sockets while a stage waits" if n > cores else None))
+                  gen_tokens=len(run.tokens), note=(f"{n} processes on {cores} cores: more stages than cores; they "
+                                                    "take turns, a waiting stage asleep in select(2)" if n > cores
+                                                    else None))
     ms = {k: v * 1e3 for k, v in split.items()}
     out = [record("pipeline", "tokens_per_s", "tok/s", len(split["interval"]) / split["interval"].sum(), **common),
            *(record("pipeline", f"{k}_ms", "ms", median(ms[k]), samples=ms[k], **common)
