@@ -159,8 +159,9 @@ def hold(model: Model, span: range, first: bool, last: bool) -> None:
 
 
 def describe(spans: list[range]) -> list[str]:
-    """Each stage in words, for messages: 'stage 1 of 2 (layers 3-5)'."""
-    return [f"stage {s} of {len(spans)} (layers {r.start}-{r.stop - 1})" for s, r in enumerate(spans)]
+    """Each stage in words, for messages: 'stage 1 of 2 (layers 3-5)', 'stage 3 of 4 (layer 5)'."""
+    return [f"stage {s} of {len(spans)} " + (f"(layers {r.start}-{r.stop - 1})" if len(r) > 1 else f"(layer {r.start})")
+            for s, r in enumerate(spans)]
 
 
 @dataclass
