@@ -162,10 +162,12 @@ class Ranks:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def poll(self) -> list[int]:
-        """Ranks that have failed (a non-zero exit), each stamped with the clock when first seen."""
+        """Ranks that have failed (a non-zero exit), each stamped with the clock when first seen (ranks seen
+        in one look share a stamp: `fail` then names one killed by a signal first, the likelier cause)."""
+        now = clock()
         for rank, p in enumerate(self.procs):
             if p.poll() is not None and rank not in self.exited_at:
-                self.exited_at[rank] = clock()
+                self.exited_at[rank] = now
         return [r for r in self.exited_at if self.procs[r].returncode != 0]
 
     def events(self, timeout_s: float) -> Iterator[tuple[int, dict]]:
