@@ -31,7 +31,7 @@ from ref_impl.engine.generate import Sampler, generate_step
 from ref_impl.engine.model import ModelArgs
 from ref_impl.engine.random import random_model
 from ref_impl.formats import gguf
-from ref_impl.measure.pipeline import bytes_per_step
+from ref_impl.measure.pipeline import bytes_per_step, run_records
 from ref_impl.theory import interconnect as ic
 from tests.conftest import SHIPPED, write_random_llama
 
@@ -219,3 +219,18 @@ def test_a_random_models_stage_holds_the_values_of_the_whole_model():
     a, b = whole.layers[3].mlp.down_proj.weight, part.layers[3].mlp.down_proj.weight
     assert np.array_equal(np.array(a), np.array(b)) and "embed_tokens" in part      # tied: the head is the embedding
     assert not dict(part.layers[1].parameters())
+
+
+def test_the_bench_splits_each_token_into_compute_link_and_other(cli_run):
+    """bench --pipeline's records, from the CLI run's traces (no process of its own): the split adds up, the
+    bytes are counted, the tokens agree, and the median step's timeline has each stage's phases."""
+    recs = run_records(cli_run.run, "stdlib-10m", "F32", cli_run.run.tokens, skip=1)
+    by = {(r["metric"], r.get("stage"), r.get("hop"), r.get("phase")): r for r in recs}
+    parts = [np.array(by[f"{k}_ms", None, None, None]["samples"]) for k in ("interval", "compute", "link", "other")]
+    assert len(parts[0]) == 10 and np.allclose(parts[1] + parts[2] + parts[3], parts[0])
+    assert {("hop_us", None, "0->1", None), ("hop_us", None, "1->0", None)} <= set(by)
+    assert by["link_bytes_per_token", None, None, None]["value"] == 1544
+    assert by["greedy_agreement", None, None, None]["value"] == 1.0
+    assert {(k[1], k[3]) for k in by if k[0] == "timeline_ms"} == {(s, p) for s in (0, 1)
+                                                                   for p in ("wait", "compute", "send")}
+    assert all(r["experiment"] == "pipeline" and r["stages"] == 2 and r["hidden"] == 384 for r in recs)
