@@ -15,6 +15,8 @@
     python -m ref_impl bench --kv --label h200
     python -m ref_impl bench --spec --label h200
     python -m ref_impl bench --capstone --label cpu-2core
+    python -m ref_impl generate --model models/stdlib-10m.gguf --prompt "def " --pipeline 2
+    python -m ref_impl bench --pipeline --label cpu-2core
 
 Bad input (a missing or malformed file, an impossible setting) prints one line on stderr
 and exits with status 2; no traceback.
@@ -34,13 +36,11 @@ from ref_impl.formats.quantize import FILE_TYPES, quantize_file
 
 
 def cmd_generate(a: argparse.Namespace) -> None:
-    from collections import Counter
-
     import mlx.core as mx
 
     from ref_impl import kernels
     from ref_impl.engine import chat
-    from ref_impl.engine.checkpoint import load
+    from ref_impl.engine.checkpoint import load, weight_types
     from ref_impl.engine.compose import Techniques, check_files, generate
     from ref_impl.engine.generate import Sampler
     from ref_impl.engine.mtp import load_heads
@@ -53,7 +53,10 @@ def cmd_generate(a: argparse.Namespace) -> None:
         raise ValueError("--system sets the system message of a chat: add --chat (the file's chat template "
                          "then lays out the system message and the --prompt)")
     techniques = Techniques(kv=a.kv, fused=a.kv_fused, speculate="draft" if a.draft else "mtp" if a.mtp else None,
-                            gamma=a.gamma, pipeline=not a.sync, compiled=a.compile)
+                            gamma=a.gamma, pipeline=not a.sync, compiled=a.compile, stages=a.pipeline)
+    if a.kernels == "on" and techniques.stages > 1:
+        raise ValueError("--kernels on patches the model of one process; the --pipeline stages run MLX's own "
+                         "operations")
     if a.kernels == "on" and not kernels.on_cuda():
         raise ValueError(f"--kernels on: our GEMV kernels need MLX's CUDA backend; this is {mx.default_device()}")
     check_files(a.model, a.draft, a.mtp)
@@ -62,6 +65,8 @@ def cmd_generate(a: argparse.Namespace) -> None:
             text = chat.chat_prompt(f.metadata, a.model, a.prompt, a.system)
     # MLX's quantized matmuls pay off on a GPU; on the CPU its float32 BLAS path is faster (see k-quants)
     quantized = a.weights == "native" or (a.weights == "auto" and mx.default_device() != mx.cpu)
+    if techniques.stages > 1:
+        return generate_pipeline(a, text if a.chat else a.prompt, quantized)
     dtype = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16, None: None}[a.dtype]
     model, tokenizer = load(a.model, dtype, quantized)
     proposer = load(a.draft, dtype, quantized)[0] if a.draft else load_heads(a.mtp, model, dtype) if a.mtp else None
@@ -78,11 +83,28 @@ def cmd_generate(a: argparse.Namespace) -> None:
     g = generate(model, tokenizer, prompt, a.max_tokens, sampler, techniques, proposer,
                  on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     print(flush=True)
-    with gguf.read(a.model) as f:   # the matrices' types, most common first
-        weights = "/".join(t for t, _ in Counter(t.type.name for t in f.tensors.values() if len(t.shape) == 2)
-                           .most_common())
     held = "MLX quantized" if quantized else str(model.norm.weight.dtype).split(".")[-1]
-    print(f"weights {weights} as {held}, kernels {'patched' if patched else 'off'}, {g.summary()}", file=sys.stderr)
+    print(f"weights {weight_types(a.model)} as {held}, kernels {'patched' if patched else 'off'}, {g.summary()}",
+          file=sys.stderr)
+
+
+def generate_pipeline(a: argparse.Namespace, prompt: str, quantized: bool) -> None:
+    """generate --pipeline N: the layers split over N processes on this host (engine/pipeline.py), which
+    talk through mx.distributed's ring backend over loopback TCP; the same text, and one summary line."""
+    from ref_impl.engine import pipeline
+    from ref_impl.engine.checkpoint import weight_types
+
+    config = pipeline.PipelineConfig(a.model, a.pipeline, prompt, a.max_tokens, a.temp, a.top_k, a.top_p, a.seed,
+                                     a.kv, a.kv_fused, "native" if quantized else "float", a.dtype, a.chat,
+                                     port=a.pipeline_port, timeout_s=a.pipeline_timeout)
+    pipeline.check(config)           # more stages than layers, a port in use: refused before the prompt shows
+    if not a.chat:
+        sys.stdout.write(a.prompt)
+    run = pipeline.generate(config, on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    print(flush=True)
+    stages = ", ".join(f"{s}: layers {r.start}-{r.stop - 1}" for s, r in enumerate(run.spans))
+    print(f"weights {weight_types(a.model)} as {run.held}, kernels off, stages {stages} "
+          f"({run.link_bytes_per_token()} link bytes per token); {run.summary}", file=sys.stderr)
 
 
 def fused_layers(model, compiled: bool) -> str:
@@ -230,7 +252,8 @@ def add_bench(sub) -> None:
     b.add_argument("--shapes", nargs="+", metavar="SHAPE",
                    help="random-weight shapes for --dispatch: tiny or a Llama shape (default: tiny, Llama-3.2-1B, "
                         "Llama-3.1-8B on a GPU; tiny on the CPU); for --kv: stdlib-10m (--model) or a Llama shape "
-                        "(default: stdlib-10m, Llama-3.2-1B, Llama-3.1-8B on a GPU; stdlib-10m on the CPU)")
+                        "(default: stdlib-10m, Llama-3.2-1B, Llama-3.1-8B on a GPU; stdlib-10m on the CPU); for "
+                        "--pipeline: beside --model (default: Llama-3.2-1B)")
     b.add_argument("--kv", action="store_true",
                    help="KV-cache quantization: held-out perplexity and needle retrieval per scheme on --model, "
                         "bytes per token, decode tok/s vs context (dequantized and fused attention) on --shapes")
@@ -241,6 +264,12 @@ def add_bench(sub) -> None:
                    help="the composed decoder's switches one at a time and together (an ablation ladder), mlx-lm and "
                         "llama.cpp on the same weights, a long-context case, perplexity per weights and cache; on "
                         "--model with --draft and its MTP heads, or on random weights of --shape")
+    b.add_argument("--pipeline", action="store_true",
+                   help="pipeline-parallel decoding over mx.distributed on this host: each token's time split into "
+                        "compute and link, bytes per token on the link, per --pipeline-stages, for --model and "
+                        "random weights of --shapes (default Llama-3.2-1B)")
+    b.add_argument("--pipeline-stages", type=int, nargs="+", default=[1, 2, 4], metavar="N",
+                   help="stage counts for --pipeline")
     b.add_argument("--draft", default="models/stdlib-draft-1m.gguf", help="the draft model for --spec and --capstone")
     b.add_argument("--mtp-heads", help="MTP heads for --spec and --capstone (default: MODEL-mtp.gguf beside --model, "
                                        "if present)")
@@ -292,6 +321,13 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--mtp", metavar="HEADS.gguf",
                    help="self-speculative decoding: multi-token-prediction heads trained on this model propose")
     g.add_argument("--gamma", type=int, default=4, help="drafts proposed per verification (--draft or --mtp)")
+    g.add_argument("--pipeline", type=int, default=1, metavar="N",
+                   help="split the layers over N processes on this host that pass the hidden state through "
+                        "mx.distributed's ring backend (loopback TCP); 1: one process")
+    g.add_argument("--pipeline-port", type=int, default=0, metavar="PORT",
+                   help="with --pipeline: stage s listens on PORT + s (default: free ports)")
+    g.add_argument("--pipeline-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="with --pipeline: stop every stage when none has printed anything for this long")
     g.set_defaults(run=cmd_generate)
 
     i = sub.add_parser("inspect", help="print a GGUF file's metadata and tensor table, and whether it runs here")

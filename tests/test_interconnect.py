@@ -116,3 +116,36 @@ def test_host_copy_recorded_takes_each_machines_latest_file_sorted_by_size(tmp_p
     rec = records.host_copy_recorded(tmp_path)
     assert rec["a"]["file"] == "a-2.json" and rec["a"]["sizes"] == [4096, 16384] and rec["a"]["gbs"] == [2.0, 3.0]
     assert rec["b"]["gbs"] == [5.0] and rec["b"]["machine"] == {"label": "b"}
+
+
+def test_pipeline_link_bytes_and_ethernet_payload_by_hand():
+    # Llama-3.1-8B over two machines, 16-bit: one hidden state of 4096 x 2 bytes + a 4-byte header, the token back
+    assert ic.pipeline_link_bytes(4096, 2, 2) == 8192 + 4 + 4 and ic.pipeline_link_bytes(4096, 2, 1) == 0
+    assert ic.pipeline_link_bytes(8192, 2, 4) == 3 * (16384 + 4) + 4
+    # 10 GbE at MTU 1500: 1.25 GB/s x (1500 - 52) / (1500 + 38)
+    assert ic.ethernet_payload_gbs(10.0) == pytest.approx(1.25 * 1448 / 1538)
+    assert ic.LINKS["Thunderbolt 5"].rate_gbs == ic.MEASURED["TB5 host-to-device"]
+
+
+def test_a_transfer_is_the_simulations_deterministic_path():
+    link = ic.LINKS["10 GbE"]
+    assert ic.transfer_seconds(8200, link) == pytest.approx(
+        ic.simulate_transfers([8200], ic.deterministic(link), runs=1)[0], rel=1e-12)
+    assert ic.hop_seconds(8200, link, 50.0) == pytest.approx(50e-6 + ic.transfer_seconds(8200, link))
+
+
+def test_a_pipeline_reads_every_weight_once_per_token_and_adds_its_hops():
+    link, w, bw = ic.LINKS["Thunderbolt 5"], 40.0, 500.0
+    free = ic.Link(payload_gbs=1e12, handshake_us=0.0, credit_bytes=1 << 50)
+    assert ic.pipeline_tokens_per_s(w, 4, bw, 8192, 2, free, 0.0) == pytest.approx(bw / w)   # machines do not add up
+    t = 1 / ic.pipeline_tokens_per_s(w, 4, bw, 8192, 2, link, 100.0)
+    assert t - w / bw == pytest.approx(3 * ic.hop_seconds(16388, link, 100.0) + ic.hop_seconds(4, link, 100.0))
+    assert ic.machines_for(40.0, 24.0) == 2 and ic.machines_for(23.0, 24.0) == 1 and ic.machines_for(24.0, 24.0) == 2
+
+
+def test_pipeline_grid_beats_streaming_over_the_same_link_where_weights_overflow():
+    rows = ic.pipeline_grid(["Llama-3.1-8B", "Llama-3.1-70B"], ic.LINKS, software_us=300.0)
+    assert rows and all(r["machines"] >= 2 and r["overflow_gb"] > 0 for r in rows)
+    assert all(r["pipeline"] > 10 * r["stream"] and r["link_share"] < 0.1 for r in rows)   # even at 300 us a hop
+    assert {r["link"] for r in rows} == set(ic.LINKS)
+    assert {r["model"] for r in rows} == {"Llama-3.1-8B", "Llama-3.1-70B"}

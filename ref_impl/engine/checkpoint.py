@@ -20,6 +20,7 @@ See chapter: intro
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -110,16 +111,22 @@ def _to_mlx(f: gguf.GGUFFile, name: str, dtype: mx.Dtype) -> mx.array:
 
 
 def load_model(f: gguf.GGUFFile, dtype: mx.Dtype | None = None, quantized: bool = False,
-               scale_dtype: mx.Dtype | None = None) -> Model:
+               scale_dtype: mx.Dtype | None = None, keep: Callable[[Model], None] | None = None) -> Model:
     """Build a Model from an open GGUF file, weights cast to dtype (default: model.default_dtype()).
 
     quantized=True keeps quantized matrices quantized: MLX QuantizedLinear/QuantizedEmbedding layers
     with the file's bits (transcode.swap_quantized), their scales and biases in scale_dtype (default:
     dtype); norms, float tensors and types with no MLX mapping load as floats in dtype.
+    keep(model) removes, once the file is checked against the whole model, the parts this process will not
+    hold (a pipeline stage's, engine/pipeline.py): their tensors are then never read.
     """
     dtype = dtype or default_dtype()
     model = Model(model_args(f))
     names = gguf_weight_names(f, model)
+    if keep is not None:
+        keep(model)
+        held = dict(nn.utils.tree_flatten(model.parameters()))
+        names = {name: mlx_name for name, mlx_name in names.items() if mlx_name in held}
     kept = transcode.swap_quantized(model, f, names, scale_dtype or dtype) if quantized else {}
     weights = [w for arrays in kept.values() for w in arrays]
     weights += [(mlx_name, _to_mlx(f, name, dtype)) for name, mlx_name in names.items() if name not in kept]
@@ -128,10 +135,11 @@ def load_model(f: gguf.GGUFFile, dtype: mx.Dtype | None = None, quantized: bool 
     return model
 
 
-def load(path: str | Path, dtype: mx.Dtype | None = None, quantized: bool = False) -> tuple[Model, Tokenizer]:
-    """Load a llama, qwen2 or qwen3 GGUF file: the model and its tokenizer (quantized: see load_model)."""
+def load(path: str | Path, dtype: mx.Dtype | None = None, quantized: bool = False,
+         keep: Callable[[Model], None] | None = None) -> tuple[Model, Tokenizer]:
+    """Load a llama, qwen2 or qwen3 GGUF file: the model and its tokenizer (quantized, keep: see load_model)."""
     with gguf.read(path) as f:
-        return load_model(f, dtype, quantized), Tokenizer.from_gguf_metadata(f.metadata)
+        return load_model(f, dtype, quantized, keep=keep), Tokenizer.from_gguf_metadata(f.metadata)
 
 
 def save(model: Model, tokenizer: Tokenizer, path: str | Path, metadata: dict[str, Any] | None = None) -> None:
@@ -158,3 +166,10 @@ def simulate(path: str | os.PathLike, type_name: str, select: Callable[[str], bo
         model.load_weights([(gguf_to_mlx_name(n), mx.array(roundtrip(as_float32(f, n), type_name)))
                             for n in chosen], strict=False)
     return model
+
+
+def weight_types(path: str | os.PathLike) -> str:
+    """The GGML types of a file's matrices, most common first, e.g. "Q4_K/Q6_K" (what a run reports)."""
+    with gguf.read(path) as f:
+        return "/".join(t for t, _ in Counter(t.type.name for t in f.tensors.values() if len(t.shape) == 2)
+                        .most_common())

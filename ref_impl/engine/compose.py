@@ -8,10 +8,14 @@ kernels (kernels.patch). The rest act on the decode loop and are the switches of
   dequantized history or, for affine codes, fused on the codes themselves (kvquant);
 * speculation: a draft model (speculative.py) or MTP heads (mtp.py) propose γ tokens that one forward
   of the model verifies by the exact rejection rule (with temperature 0, the argmax rule);
-* the host side of plain decoding: async_eval pipelining and a compiled step (generate.py).
+* the host side of plain decoding: async_eval pipelining and a compiled step (generate.py);
+* pipeline stages: the layers split across processes that pass the hidden state over `mx.distributed`
+  (pipeline.py runs them; each process loads only its share, so a split names a file, not a Model).
 
 `generate` runs them together and returns a `Generation`: tokens, text, a clock reading per token,
-the drafts proposed and accepted, peak memory; `Generation.summary` is the line the CLI prints.
+the drafts proposed and accepted, peak memory; `Generation.summary` is the line the CLI prints. Its text
+loop (`follow`: stop at EOS or max_tokens, stream text as it forms) is the one loop of every decoder:
+the pipeline's first stage runs it too.
 
 Not every pair composes. What cannot run as the chapters define it is refused with one ValueError
 naming the pair: by `Techniques` itself, from the switches alone, before any model is loaded; by
@@ -25,6 +29,9 @@ naming the pair: by `Techniques` itself, from the switches alone, before any mod
   plain decoding's under the same cache.
 * A draft model must share the model's vocabulary token for token; MTP heads must have been trained
   on the model (its width, and its name where both files carry one), and γ <= the number of heads.
+* Pipeline stages decode plainly, one position per step through every stage: no speculation (a
+  verification would cross every stage γ+1 positions wide, and its rewind reach every stage's cache) and
+  no compiled step (one traced graph cannot span processes).
 Pipelining is plain decoding's: a speculative step waits for its verification either way, so there
 `pipeline` changes nothing, and the summary says so rather than claiming it.
 
@@ -67,6 +74,7 @@ class Techniques:
     gamma: int = 4                  # drafts per verification
     pipeline: bool = True           # plain decoding: queue step t+1 (async_eval) before reading step t
     compiled: bool = False          # plain decoding: one mx.compile'd step over the float cache
+    stages: int = 1                 # processes the layers are split across (pipeline.py); 1: this one
 
     def __post_init__(self):
         cache = cache_class(self.kv)                    # an unknown scheme raises, naming the known ones
@@ -83,6 +91,12 @@ class Techniques:
         if self.compiled and self.speculate:
             raise ValueError(f"a compiled step decodes one position and a verification forward gamma+1: "
                              f"--compile and --{self.speculate} are exclusive")
+        if self.stages < 1:
+            raise ValueError(f"--pipeline takes a number of stages of at least 1, got {self.stages}")
+        if self.stages > 1 and (self.speculate or self.compiled):
+            what = f"--{self.speculate}" if self.speculate else "--compile"
+            raise ValueError(f"--pipeline {self.stages} decodes one position per step through every stage; "
+                             f"{what} is not built for a split model (see engine/compose.py)")
         if self.speculate and not cache.rewinds_exactly:
             raise ValueError(f"--kv {self.kv} cannot be rewound exactly (its key blocks are quantized when a "
                              f"forward passes them), so --{self.speculate} would not emit plain decoding's "
@@ -99,6 +113,8 @@ class Techniques:
         kv += " (fused attention)" if self.fused else " (dequantized)" if kv != "float" else ""
         if self.speculate:
             loop = f"{self.speculate} gamma={self.gamma}, one sync per verification"
+        elif self.stages > 1:
+            loop = f"{self.stages} pipeline stages over mx.distributed (ring), synchronous"
         else:
             loop = ("compiled step, " if self.compiled else "") + ("pipelined" if self.pipeline else "synchronous")
         return f"kv {kv}, {loop}"
@@ -218,32 +234,51 @@ def generate(model: Model, tokenizer: Tokenizer, prompt: str | list[int], max_to
 
     A str prompt is encoded with BOS first; a list is taken as token ids.
     """
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    if techniques.stages > 1:
+        raise ValueError(f"{techniques.stages} pipeline stages run in as many processes, each loading its "
+                         "share of the file: use engine.pipeline.generate, which takes the file")
     check(model, techniques, proposer)
     ids = tokenizer.encode(prompt, bos=True) if isinstance(prompt, str) else list(prompt)
     size = techniques.cache_size(len(ids), max_tokens)
     models = [model] + ([proposer] if isinstance(proposer, Model) else [])
-    context = min(m.args.max_position_embeddings for m in models)
-    if size > context:
-        extra = f" + gamma ({techniques.gamma})" if techniques.speculate else ""
-        raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}){extra} exceeds the "
-                         f"model's context length ({context})")
+    check_context(len(ids), max_tokens, techniques, min(m.args.max_position_embeddings for m in models))
     sampler = sampler or Sampler()
     mx.reset_peak_memory()
     out = Generation(prompt_tokens=ids, techniques=techniques, start=clock())
-    for step in steps(model, ids, sampler, techniques, size, proposer):
+    return follow(steps(model, ids, sampler, techniques, size, proposer), out, tokenizer, max_tokens,
+                  stop_at_eos, on_text)
+
+
+def check_context(prompt_len: int, max_tokens: int, techniques: Techniques, context: int) -> None:
+    """Refuse max_tokens < 1, or a generation whose cache would outgrow the model's context (ValueError)."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    if techniques.cache_size(prompt_len, max_tokens) > context:
+        extra = f" + gamma ({techniques.gamma})" if techniques.speculate else ""
+        raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}){extra} exceeds the "
+                         f"model's context length ({context})")
+
+
+def follow(model_steps: Iterator[SpeculativeStep], out: Generation, tokenizer: Tokenizer | None,
+           max_tokens: int, stop_at_eos: bool = True, on_text: Callable[[str], None] | None = None) -> Generation:
+    """The text loop of every decoder: take steps until max_tokens or EOS, stamping the clock as each
+    step's tokens arrive and streaming text to on_text as it forms (a character whose bytes are still
+    incomplete is held back); fills and returns `out`. Without a tokenizer (random weights) no text
+    forms and only max_tokens stops."""
+    decode = tokenizer.decode if tokenizer is not None else (lambda ids: "")
+    end_ids = tokenizer.end_ids if tokenizer is not None and stop_at_eos else ()
+    for step in model_steps:
         now = clock()
         out.forwards += 1 if out.token_times else 0
         out.proposed, out.accepted = out.proposed + step.proposed, out.accepted + step.accepted
         done = False
         for token in step.tokens:
-            done = len(out.tokens) == max_tokens or stop_at_eos and token in tokenizer.end_ids
+            done = len(out.tokens) == max_tokens or token in end_ids
             if done:
                 break
             out.tokens.append(token)
             out.token_times.append(now)
-        text = tokenizer.decode(out.tokens)
+        text = decode(out.tokens)
         if not text.endswith("\ufffd"):  # hold back a character whose bytes are still incomplete
             if on_text is not None:
                 on_text(text[len(out.text):])
@@ -251,7 +286,7 @@ def generate(model: Model, tokenizer: Tokenizer, prompt: str | list[int], max_to
         if done or len(out.tokens) == max_tokens:
             break
     out.peak_memory_bytes = mx.get_peak_memory()
-    final = tokenizer.decode(out.tokens)
+    final = decode(out.tokens)
     if on_text is not None and final != out.text:
         on_text(final[len(out.text):])
     out.text = final

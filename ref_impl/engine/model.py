@@ -322,12 +322,17 @@ class Model(nn.Module):
     def hidden(self, tokens: mx.array, cache: list[Cache] | None = None) -> mx.array:
         """The last hidden states (B, L, hidden_size), after the final norm: what the LM head reads
         (and what mtp.py's multi-token-prediction heads read)."""
-        h = self.embed_tokens(tokens)
+        return self.norm(self.blocks(self.embed_tokens(tokens), cache))
+
+    def blocks(self, h: mx.array, cache: list[Cache] | None = None, first: int = 0, stop: int | None = None
+               ) -> mx.array:
+        """Hidden states (B, L, hidden_size) through decoder layers first..stop-1 (default: all), cache[k]
+        serving layer first + k: the whole stack for `hidden`, one stage's share for engine/pipeline.py."""
         # "causal" lines the mask up with the *last* L keys, so it also holds after a cache offset.
         mask = "causal" if h.shape[1] > 1 else None
-        for i, layer in enumerate(self.layers):
-            h = layer(h, mask, cache[i] if cache is not None else None)
-        return self.norm(h)
+        for k, layer in enumerate(self.layers[first:stop]):
+            h = layer(h, mask, cache[k] if cache is not None else None)
+        return h
 
     def logits(self, h: mx.array) -> mx.array:
         """The LM head: hidden states (..., hidden_size) -> logits (..., vocab_size)."""

@@ -29,11 +29,16 @@ def args_for(name: str, context: int = 4096) -> ModelArgs:
     return ModelArgs.from_shape(shape(name), context)
 
 
-def random_model(args: ModelArgs, dtype: mx.Dtype | None = None, seed: int = 0) -> Model:
+def random_model(args: ModelArgs, dtype: mx.Dtype | None = None, seed: int = 0,
+                 keep: Callable[[Model], None] | None = None) -> Model:
     """A Model of args' shape with MLX's default random initialisation, built on the device (no
-    file): decode speed does not depend on the values."""
+    file): decode speed does not depend on the values. keep(model) removes the parts this process will
+    not hold before any weight is computed (a pipeline stage's); the rest get the values they would
+    have in the whole model, since MLX draws each initial array's key when the layer is built."""
     mx.random.seed(seed)
     model = Model(args)
+    if keep is not None:
+        keep(model)
     model.set_dtype(dtype or default_dtype())
     mx.eval(model.parameters())
     return model

@@ -35,6 +35,7 @@ from ref_impl.exercises.kv_cache import (
     check_outlier_channels,
     check_quantize_keys_per_channel,
 )
+from ref_impl.exercises.pipeline import check_cluster_tokens_per_s, check_link_bytes
 from ref_impl.exercises.roofline import (
     check_bytes_per_token,
     check_decode_tokens_per_s,
@@ -54,6 +55,8 @@ __all__ = [
     # "GDDR7 and PAM3", "Thunderbolt 5 and PCIe tunnelling"
     "check_encode_pam3", "check_bus_bandwidth",
     "check_tlp_efficiency", "check_link_payload_gbs", "check_streaming_tokens_per_s",
+    # "Two machines: a pipeline over the link"
+    "check_link_bytes", "check_cluster_tokens_per_s",
     # the dispatch chapters: caching and workspaces, TTFT and jitter, command buffers
     "check_amortized_overhead", "check_static_kv_bytes", "check_page_faults",
     "check_p99_itl", "check_growth_steps",

@@ -18,7 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ref_impl.engine.random import args_for
-from ref_impl.measure import capstone, kv, latency, link, loads, spec, unified
+from ref_impl.measure import capstone, kv, latency, link, loads, pipeline, spec, unified
 from ref_impl.measure.decode import bench_decode, bench_shape
 from ref_impl.measure.kernels import bench_kernels
 from ref_impl.measure.quant import bench_quant, bench_quant_groups
@@ -69,6 +69,14 @@ def run_kernels(a: argparse.Namespace, work: Path, say: Say) -> list[dict]:
     return bench_kernels(shape, args_for(shape), a.weights, work, a.prompt_len, a.gen_tokens, a.repeats,
                          llama_bench_binary=Path(a.llama_bench) if a.llama_bench else None, quick=a.quick,
                          progress=say)
+
+
+def run_pipeline(a: argparse.Namespace, work: Path, say: Say) -> list[dict]:
+    """bench --pipeline: --model and random weights of --shapes (default Llama-3.2-1B) at --pipeline-stages."""
+    if a.quick:
+        return pipeline.bench_pipeline(pipeline.PipelinePlan.quick(a.model), progress=say)
+    plan = pipeline.PipelinePlan(models=(a.model, *(a.shapes or ("Llama-3.2-1B",))), stages=tuple(a.pipeline_stages))
+    return pipeline.bench_pipeline(plan, progress=say)
 
 
 # ---- what each suite prints ----------------------------------------------------------------------------
@@ -142,6 +150,14 @@ def show_dispatch(records: list[dict]) -> list[str]:
                                                 "first_over_steady")]
 
 
+def show_pipeline(records: list[dict]) -> list[str]:
+    return [f"  {r['model']:<13} {r['variant']:<9} {r['metric']:<26} {value_text(r):>10} {r['unit'] or ''} "
+            f"{r.get('note') or ''}"
+            for r in records if r["metric"] in ("tokens_per_s", "interval_ms", "compute_ms", "link_ms", "other_ms",
+                                                "link_bytes_per_token", "link_bytes_per_token_sent",
+                                                "link_bytes_per_token_tcp", "greedy_agreement", "skipped")]
+
+
 def show_capstone(records: list[dict]) -> list[str]:
     return [f"  {r['experiment']:<13} {r['variant'] or '':<40} {r['weights'] or '':<7} {r['kv'] or '':<12} "
             f"{r['metric']:<17} {value_text(r):>10} {r['unit'] or ''} {r.get('note', '')}"
@@ -158,6 +174,7 @@ SUITES: dict[str, Suite] = {
     "kv": Suite(lambda a, work, say: kv.bench_kv(Path(a.model), kv.KVPlan.for_device(_on_gpu(), a.quick), a.shapes,
                                                  progress=say), show_kv),
     "link": Suite(lambda a, work, say: link.measure_link(a.link_budget, a.link_max_bytes), show_link),
+    "pipeline": Suite(run_pipeline, show_pipeline),
     "unified": Suite(lambda a, work, say: unified.measure_unified(a.unified_max_bytes), show_unified),
     "alignment": Suite(lambda a, work, say: loads.bench_alignment(a.alignment_budget), show_summary),
     "quant_groups": Suite(run_quant_groups, show_summary),

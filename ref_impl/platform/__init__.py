@@ -1,2 +1,3 @@
 """platform: what the rest stands on. The optimized BLAS MLX's CPU backend calls (blas, loaded before MLX), the
-machine record every results file carries (machine), and the one clock and its statistics (timing)."""
+machine record every results file carries (machine), the one clock and its statistics (timing), and the
+kernel's view of a process's TCP connections (tcp: bytes counted, data waiting)."""

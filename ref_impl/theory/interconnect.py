@@ -251,3 +251,92 @@ def streaming_grid(models: list[str], bits=(4, 8, 16), vram_sizes=VRAM_SIZES_GB,
                                  "serial": streaming_tokens_per_s(w, v, vram_gbs, link_gbs, False, reserve_gb),
                                  "resident": vram_gbs / w})
     return rows
+
+
+# ---- (5) a pipeline across machines: only the activations cross ------------------------------------------
+
+HEADER_BYTES = 4        # the pipeline's header per hop and step: one int32, the positions that follow (0: stop)
+TOKEN_BYTES = 4         # the sampled token, one int32, sent from the last stage back to the first
+ETHERNET_FRAME_BYTES = 38   # per frame beyond the IP packet: preamble+SFD 8, MAC header 14, FCS 4, inter-frame gap 12
+TCP_IP_HEADER_BYTES = 52    # IPv4 20 + TCP 20 + the timestamp option 12 that Linux and macOS send by default
+
+
+def pipeline_link_bytes(hidden: int, act_bytes: int, stages: int, positions: int = 1) -> int:
+    """Bytes a pipeline step puts on its links (engine/pipeline.py's protocol): per hop between stages a
+    header and the hidden states (positions x hidden x act_bytes), and the token back; 0 for one stage."""
+    if stages < 2:
+        return 0
+    return (stages - 1) * (HEADER_BYTES + positions * hidden * act_bytes) + TOKEN_BYTES
+
+
+def ethernet_payload_gbs(line_gbps: float, mtu: int = 1500, headers: int = TCP_IP_HEADER_BYTES) -> float:
+    """TCP payload GB/s of an Ethernet link: line rate / 8 x (MTU - IP/TCP headers) / (MTU + frame overhead).
+    10 GbE at MTU 1500: 1.25 x 1448 / 1538 = 1.177 GB/s (IEEE 802.3 framing; RFC 7323 timestamps)."""
+    return line_gbps / 8 * (mtu - headers) / (mtu + ETHERNET_FRAME_BYTES)
+
+
+# The links a cluster of machines can use, as `Link`s: payload rate, and a fixed latency per message (the
+# `handshake_us` field: NIC or controller, cable, switch). Stated assumptions like Link's own defaults; the
+# software of each end (MLX's ring over TCP) is not in them: `hop_seconds` adds it, measured.
+LINKS: dict[str, Link] = {
+    "Thunderbolt 5": Link(),                                             # the measured TB5 rate, 10 us
+    "10 GbE": Link(payload_gbs=ethernet_payload_gbs(10.0), handshake_us=10.0),
+}
+LINKS_SOURCE = ("TB5: MEASURED (a TB5 eGPU link's host-to-device copies) and Link's stated 10 us; 10 GbE: "
+                "the line rate less Ethernet framing and IP/TCP headers at MTU 1500, and a stated 10 us for "
+                "two NICs and a switch")
+
+
+def transfer_seconds(nbytes: float, link: Link) -> float:
+    """One transfer with every random term off: handshake + bytes / rate (simulate_transfers' mean path)."""
+    return link.handshake_us * 1e-6 + nbytes / (link.rate_gbs * 1e9)
+
+
+def hop_seconds(nbytes: float, link: Link, software_us: float) -> float:
+    """One message between pipeline stages: the two ends' software (MLX's ring, the kernel's TCP: measured
+    on loopback, where no wire adds to it) plus the link's transfer."""
+    return software_us * 1e-6 + transfer_seconds(nbytes, link)
+
+
+def machines_for(weights_gb: float, memory_gb: float, reserve_gb: float = 1.0) -> int:
+    """Machines of memory_gb (less reserve_gb each for the KV cache and activations) that hold the weights."""
+    return max(1, math.ceil(weights_gb / max(memory_gb - reserve_gb, 1e-9)))
+
+
+def pipeline_tokens_per_s(weights_gb: float, machines: int, memory_gbs: float, hidden: int, act_bytes: int,
+                          link: Link, software_us: float) -> float:
+    """Decode tokens/s of a model split in a pipeline over `machines`: with one sequence the stages run one
+    after another, so every weight is still read once per token at memory_gbs (the machines' bandwidth does
+    not add up), and each step crosses machines - 1 hops forward and one back (`pipeline_link_bytes`)."""
+    t = weights_gb / memory_gbs
+    if machines > 1:
+        t += (machines - 1) * hop_seconds(HEADER_BYTES + hidden * act_bytes, link, software_us)
+        t += hop_seconds(TOKEN_BYTES, link, software_us)
+    return 1.0 / t
+
+
+def pipeline_grid(models: list[str], links: dict[str, Link], software_us: float, bits=(4, 8, 16),
+                  memory_sizes=VRAM_SIZES_GB, memory_gbs: float = 1008.0, act_bytes: int = 2,
+                  reserve_gb: float = 1.0) -> list[dict]:
+    """Every (model of shapes.PUBLIC, bits, memory size, link) whose weights overflow one machine, as
+    `streaming_grid` has them: tokens/s when one machine streams the overflow over the link (overlapped)
+    against the same machines in a pipeline over the same link, the bytes per token each puts on the
+    link, and the link's share of the pipeline's token time."""
+    rows = []
+    for name in models:
+        shape = shapes.PUBLIC[name]
+        for b in bits:
+            w = roofline.weight_bytes(shape, b) / 1e9
+            for m in memory_sizes:
+                n = machines_for(w, m, reserve_gb)
+                if n < 2:
+                    continue
+                for link_name, link in links.items():
+                    tps = pipeline_tokens_per_s(w, n, memory_gbs, shape.hidden_size, act_bytes, link, software_us)
+                    rows.append({"model": name, "bits": b, "memory_gb": m, "weights_gb": w, "link": link_name,
+                                 "machines": n, "overflow_gb": w - (m - reserve_gb),
+                                 "stream": streaming_tokens_per_s(w, m, memory_gbs, link.rate_gbs, True, reserve_gb),
+                                 "pipeline": tps, "link_share": 1 - tps * w / memory_gbs,
+                                 "pipeline_bytes": pipeline_link_bytes(shape.hidden_size, act_bytes, n),
+                                 "resident": memory_gbs / w})
+    return rows
