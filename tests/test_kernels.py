@@ -518,11 +518,11 @@ def test_fused_layer_timing_flow_with_stand_in_kernels():
     with stand_in_kernels():
         model = layer_model(256, 8, 2, 512, "q4q8", layers=2)
         assert fusedlayer.fuse(model) == {}
-        per = suite.layer_kernel_ms(model, context=20)
+        per = suite.layer_kernel_ms(model, context=20, passes=1)
         assert list(per) == list(fusedlayer.KERNELS) and all(ms > 0 for ms, _ in per.values())
         assert per["attend"][1] == 2 * 2 * 2 * 20 * 32 * 2                  # layers x k,v x heads x keys x D x 2 B
         assert per["mlp_in"][1] > per["attn_out"][1]
-        on, ms = fusedlayer.choose(model, rounds=1)
+        on, ms = fusedlayer.choose(model, rounds=1, tokens=2, context=8)
         assert set(ms) == {"fused", "unfused"} and on == (ms["fused"] < ms["unfused"])
         assert all(b.on == on for b in model.layers)
 

@@ -331,9 +331,10 @@ def decode_seconds(model: Model, tokens: int = 16, context: int = 64) -> float:
     return (clock() - start) / tokens
 
 
-def choose(model: Model, rounds: int = 3) -> tuple[bool, dict[str, float]]:
-    """Fuse what `fuse` can, then time decode with the fused layers on and off, interleaved over `rounds`, and
-    keep the faster on: (fused on, median ms per token of each setting). Off CUDA: nothing fused or timed."""
+def choose(model: Model, rounds: int = 3, tokens: int = 16, context: int = 64) -> tuple[bool, dict[str, float]]:
+    """Fuse what `fuse` can, then time decode (`tokens` after `context`) with the fused layers on and off,
+    interleaved over `rounds`, and keep the faster on: (fused on, median ms per token of each setting). Off
+    CUDA: nothing fused or timed."""
     if not on_cuda() or not any(isinstance(b, FusedLayer) for b in model.layers) and len(fuse(model)) == \
             len(model.layers):
         return False, {}
@@ -341,7 +342,7 @@ def choose(model: Model, rounds: int = 3) -> tuple[bool, dict[str, float]]:
     for _ in range(rounds):
         for name in times:
             enable(model, name == "fused")
-            times[name].append(decode_seconds(model) * 1e3)
+            times[name].append(decode_seconds(model, tokens, context) * 1e3)
     ms = {k: median(v) for k, v in times.items()}
     on = ms["fused"] < ms["unfused"]
     enable(model, on)
