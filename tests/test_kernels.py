@@ -903,7 +903,7 @@ def test_fused_layer_launches_cover_every_row():
     assert plan.shared["attend"] == 4 * fusedlayer.WARPS["attend"] * 4 * 130
     assert dict(plan.templates["attend"])["G"] == 4
     assert dict(plan.templates["attn_in"])["B2"] == 8 and dict(plan.templates["mlp_out"])["B0"] == 8
-    assert [fusedlayer.splits(n, 8) for n in (1, 64, 65, 256, 10 ** 6)] == [1, 1, 2, 4, fusedlayer.MAX_SPLITS]
+    assert [fusedlayer.splits(n) for n in (1, 64, 65, 256, 10 ** 6)] == [1, 1, 2, 4, fusedlayer.MAX_SPLITS]
 
 
 def test_fused_layer_sources_match_their_inputs():
@@ -985,7 +985,7 @@ def test_fused_layer_against_float64_oracle():
             want = layer_oracle(layer, x, keys, values, pos)
             query, part, h, a, y = layer.step(x, cache)
             mx.eval(y)
-            assert part.shape[0] == fusedlayer.splits(pos + 1, kv)
+            assert part.shape[0] == fusedlayer.splits(pos + 1)
             got = {"q": as_f64(query).ravel(), "k": as_f64(cache.keys)[0, :, pos], "v": as_f64(cache.values)[0, :, pos],
                    "h": as_f64(h).ravel(), "a": as_f64(a).ravel(), "y": as_f64(y).ravel()}
             errs = {s: close(got[s], want[s]) for s in want}

@@ -71,7 +71,7 @@ def padded(k: int) -> int:
     return k + 4 * (k // 32) + 4
 
 
-def splits(keys: int, kv_heads: int) -> int:
+def splits(keys: int) -> int:
     """Blocks per key head in attend for `keys` positions: one per KEYS_PER_SPLIT, at most MAX_SPLITS."""
     return max(1, min(MAX_SPLITS, -(-keys // KEYS_PER_SPLIT)))
 
@@ -247,7 +247,7 @@ class FusedLayer(TransformerBlock):
                         output_shapes=[shape], output_dtypes=[dtype])[0]
 
         def attend(query: mx.array, cache: KVCache, at: mx.array) -> mx.array:
-            n = splits(cache.offset + 1, hkv)
+            n = splits(cache.offset + 1)
             return run(katt, "attend", [query, cache.keys, cache.values, at, scale], (n, hq, hd + 2), mx.float32,
                        thr["attend"] * hkv * n)
 
