@@ -257,26 +257,36 @@ def test_layout_matches_mx_dequantize():
 
 def test_float_tricks_in_the_source_are_exact():
     src = cuda.HEADER
-    magic = int(re.search(r"\| (0x[0-9A-Fa-f]+)u\)", src).group(1), 16)   # ORed into the code's word
-    shift = int(re.search(r"v >> (\d+);", src).group(1))                     # codes 5-7 come from v >> shift
-    offset = -float(re.search(r"-(\d+)\.0f \* inv", src).group(1))
-    words = np.random.default_rng(0).integers(0, 2 ** 32, 4096, dtype=np.uint64).astype(np.uint32)
-    words[:16] = np.arange(16, dtype=np.uint32) * 0x11111111                 # every code value in every slot
-    want = unpack_codes(words[None, :], 4).reshape(-1, 8).astype(np.float32)
-    for e in range(8):
-        j, src_word = (e, words) if e < 5 else (e - 5, words >> np.uint32(shift))
-        f = ((src_word & np.uint32(0xF << (4 * j))) | np.uint32(magic)).view(np.float32)
-        inv = np.float32(1 / 16 ** j)
-        np.testing.assert_array_equal(f * inv + np.float32(offset) * inv, want[:, e])
-    # without the shift, code 5 would reach the exponent: the trick needs codes * 16^j < 2^23
-    f = ((words & np.uint32(0xF << 20)) | np.uint32(magic)).view(np.float32)
-    assert not np.array_equal(f / np.float32(16 ** 5) - np.float32(2 ** 23 / 16 ** 5), want[:, 5])
+    # 4-bit: each code OR-ed into the mantissa of a magic float from one of four views of the word
+    assert re.search(r"l8 = v << 8, r8 = v >> 8, rot = __funnelshift_l\(v, v, 16\);", src)
+    views = {"v": lambda w: w, "l8": lambda w: w << 8, "r8": lambda w: w >> 8, "rot": lambda w: (w << 16) | (w >> 16)}
+    lines = re.findall(r"q\[(\d)\] = __uint_as_float\(\((\w+) & (0x[0-9A-Fa-f]+)u\) \| (0x[0-9A-Fa-f]+)u\);", src)
+    assert sorted(int(e) for e, *_ in lines) == list(range(8))
+    odd, even = map(np.float32, re.search(r"fmaf\(([\d.]+)f, xodd, ([\d.]+)f \* xeven\)", src).groups())
+    words = np.random.default_rng(0).integers(0, 2 ** 32, 4096, dtype=np.uint64)
+    words[:16] = np.arange(16, dtype=np.uint64) * 0x11111111                 # every code value in every slot
+    want = unpack_codes(words.astype(np.uint32)[None, :], 4).reshape(-1, 8).astype(np.float32)
+    halves = np.arange(2 ** 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float64)
+    brains = (np.arange(2 ** 16, dtype=np.uint32) << 16).view(np.float32).astype(np.float64)
+    xs = np.concatenate([halves[np.isfinite(halves)], brains[np.isfinite(brains) & (np.abs(brains) < 1e30)]])
+    for e, view, mask, magic in lines:
+        e = int(e)
+        f = ((views[view](words) & 0xFFFFFFFF & int(mask, 16)) | int(magic, 16)).astype(np.uint32).view(np.float32)
+        np.testing.assert_array_equal(f - (odd if e % 2 else even), want[:, e])
+        # x f is exact in float32 for every float16 and bfloat16 x: the dot sums x f, the offsets leave later
+        for fv in np.unique(f):
+            assert (np.float32(fv) * xs.astype(np.float32) == fv * xs).all(), (e, fv)
+    # the old trick's float, 2^23 + c, times x is not exact: its offset must leave before the multiply
+    assert not (np.float32(2.0 ** 23 + 5) * halves[np.isfinite(halves)].astype(np.float32)
+                == (2.0 ** 23 + 5) * halves[np.isfinite(halves)]).all()
     # 8-bit: the byte permute builds magic | byte
-    perm = int(re.search(r"__byte_perm\(v, (0x[0-9A-Fa-f]+)u, (0x[0-9A-Fa-f]+)u", src).group(2), 16)
+    prmt = re.search(r"__byte_perm\(v, (0x[0-9A-Fa-f]+)u, (0x[0-9A-Fa-f]+)u", src)
+    magic8, perm = (int(h, 16) for h in prmt.groups())
+    words = words.astype(np.uint32)
+    magic_bytes = np.frombuffer(np.uint32(magic8).tobytes(), np.uint8)[None].repeat(len(words), 0)
     for e in range(4):
         sel = [(perm | e) >> (4 * i) & 7 for i in range(4)]                    # PRMT: byte i <- source byte sel[i]
-        src_bytes = np.concatenate([words.view(np.uint8).reshape(-1, 4),
-                                    np.frombuffer(np.uint32(magic).tobytes(), np.uint8)[None].repeat(len(words), 0)], 1)
+        src_bytes = np.concatenate([words.view(np.uint8).reshape(-1, 4), magic_bytes], 1)
         built = src_bytes[:, sel].copy().view(np.uint32).ravel().view(np.float32)
         byte = (words >> np.uint32(8 * e)) & 0xFF
         np.testing.assert_array_equal(built - np.float32(2 ** 23), byte.astype(np.float32))
@@ -456,7 +466,8 @@ def test_summary_names_every_choice_and_counts_ours():
     lines = kernels.summary(choices).splitlines()
     assert lines[0].startswith("kernels: ours for 32 of 128 matrices") and "(1 of 3 shapes)" in lines[0]
     assert f"q4g32 gemv 14336x4096 rows 1 (x32): {la.label} [mlx built-in 36.0 us, {la.label} 20.0 us]" in lines[1]
-    assert lines[2].endswith(": mlx built-in [mlx built-in 5.0 us]") and lines[3].endswith("glu 14336x4096 rows 1 (x32): unfused")
+    assert lines[2].endswith(": mlx built-in [mlx built-in 5.0 us]")
+    assert lines[3].endswith("glu 14336x4096 rows 1 (x32): unfused")
 
 
 def compile_adds_primitives() -> bool:
@@ -510,6 +521,17 @@ def test_bench_kernels_quick_flow_with_stand_in_kernels(tmp_path):
     count = {r["variant"]: r["value"] for r in records if r["metric"] == "kernels_per_token"}
     assert (count["native+compiled"] > count["native"] if cuda else count["native+compiled"] < count["native"]), count
     assert not [r for r in records if r["experiment"] == "gemv"]          # quick: no per-matrix sweep
+    assert not [r for r in records if isinstance(r["value"], float) and math.isnan(r["value"])]
+
+
+def test_an_untimed_kernel_choice_records_no_time():
+    """--quick's patch chooses launch_config's default without timing it: its record says so, with no number."""
+    timed = kernels.Choice(Q4, 4096, 4096, 1, 32, None, seconds={kernels.BUILTIN: 20e-6})
+    untimed = kernels.Choice(Q4, 4096, 4096, 1, 32, None)
+    fields = {"model": "m", "weights": "Q4_K_M", "kv": None, "context": 8}
+    a, b = suite.choice_records([timed, untimed], fields, lambda msg: None)
+    assert abs(a["value"] - 20.0) < 1e-9 and "note" not in a
+    assert b["value"] is None and "not timed" in b["note"]
 
 
 def test_fused_layer_timing_flow_with_stand_in_kernels():

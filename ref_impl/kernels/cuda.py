@@ -98,17 +98,22 @@ __device__ __forceinline__ void unpack(const uint2& u, float (&f)[4]) {
   f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
 }
 
-// Eight 4-bit codes (code e in bits 4e..4e+3) as exact floats. OR-ing a code c shifted by 16^j into the
-// mantissa of 2^23 (0x4B000000) gives the float 2^23 + c 16^j (exact while c 16^j < 2^23: j <= 4);
-// one FMA by 16^-j, minus 2^23 16^-j, leaves c. Codes 5-7 come from the word shifted right by 20.
+// Eight 4-bit codes (code e in bits 4e..4e+3) as floats that carry an offset, with no int-to-float conversion:
+// OR-ed into the mantissa of 2048.0 at bits 12-15 a code c makes the float 2048 + c, into 128.0 at bits 16-19
+// 128 + c. An x of T times either is exact in float32 (11 + 12 significant bits at most), so the dot sums x f
+// and the offsets leave once per chunk (affine below). The word as it is, shifted by 8 either way, or rotated
+// by 16 holds two codes in place each: odd codes land at bits 12-15, even ones at 16-19. That is 2.4 lane
+// operations a code, where subtracting the offset before the multiply took 3.
 __device__ __forceinline__ void decode(uint32_t v, float (&q)[8]) {
-  #pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    const int j = e < 5 ? e : e - 5;
-    const uint32_t src = e < 5 ? v : v >> 20;
-    const float inv = 1.0f / float(1u << (4 * j));
-    q[e] = fmaf(__uint_as_float((src & (0xFu << (4 * j))) | 0x4B000000u), inv, -8388608.0f * inv);
-  }
+  const uint32_t l8 = v << 8, r8 = v >> 8, rot = __funnelshift_l(v, v, 16);
+  q[0] = __uint_as_float((rot & 0xF0000u) | 0x43000000u);
+  q[1] = __uint_as_float((l8 & 0xF000u) | 0x45000000u);
+  q[2] = __uint_as_float((l8 & 0xF0000u) | 0x43000000u);
+  q[3] = __uint_as_float((v & 0xF000u) | 0x45000000u);
+  q[4] = __uint_as_float((v & 0xF0000u) | 0x43000000u);
+  q[5] = __uint_as_float((r8 & 0xF000u) | 0x45000000u);
+  q[6] = __uint_as_float((r8 & 0xF0000u) | 0x43000000u);
+  q[7] = __uint_as_float((rot & 0xF000u) | 0x45000000u);
 }
 
 // Four 8-bit codes: a byte permute builds 0x4B0000cc, the float 2^23 + c.
@@ -117,6 +122,15 @@ __device__ __forceinline__ void decode(uint32_t v, float (&q)[4]) {
   for (int e = 0; e < 4; ++e) {
     q[e] = __uint_as_float(__byte_perm(v, 0x4B000000u, 0x7440u | e)) - 8388608.0f;
   }
+}
+
+// A chunk's sum_i (s q_i + b) x_i = s sum_i q_i x_i + b sum_i x_i (as MLX's Metal qdot), from acc = sum_i f_i x_i
+// over what decode made of the codes and the chunk's sums of x at even and odd positions: 4-bit codes come
+// with offsets 128 (even) and 2048 (odd), which leave here; 8-bit codes are exact.
+template <int BITS>
+__device__ __forceinline__ float affine(float s, float b, float acc, float xeven, float xodd) {
+  if constexpr (BITS == 4) acc -= fmaf(2048.0f, xodd, 128.0f * xeven);
+  return fmaf(s, acc, b * (xeven + xodd));
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -206,10 +220,10 @@ __device__ __forceinline__ void affine_rows(const T* x, Mat<uint32_t, T> a, Mat<
     for (int u = 0; u < U; ++u) {
       const int c = c0 + 32 * u;
       if (c < chunks) {
-        float acc[RW][M], xs[M];
+        float acc[RW][M], xs[M][2];   // sums of x at even and odd positions
         #pragma unroll
         for (int m = 0; m < M; ++m) {
-          xs[m] = 0.0f;
+          xs[m][0] = xs[m][1] = 0.0f;
           #pragma unroll
           for (int r = 0; r < RW; ++r) acc[r][m] = 0.0f;
         }
@@ -225,7 +239,7 @@ __device__ __forceinline__ void affine_rows(const T* x, Mat<uint32_t, T> a, Mat<
             if constexpr (V == 8) unpack<T>(load_x16<ALIGNED>(xp), xv);
             else unpack<T>(load_x8<ALIGNED>(xp), xv);
             #pragma unroll
-            for (int e = 0; e < V; ++e) xs[m] += xv[e];
+            for (int e = 0; e < V; ++e) xs[m][e & 1] += xv[e];
             #pragma unroll
             for (int r = 0; r < RW; ++r) {
               #pragma unroll
@@ -233,11 +247,10 @@ __device__ __forceinline__ void affine_rows(const T* x, Mat<uint32_t, T> a, Mat<
             }
           }
         }
-        // sum_i (s q_i + b) x_i = s sum_i q_i x_i + b sum_i x_i
         #pragma unroll
         for (int r = 0; r < RW; ++r) {
           #pragma unroll
-          for (int m = 0; m < M; ++m) tot[r][m] = fmaf(s[u][r], acc[r][m], fmaf(b[u][r], xs[m], tot[r][m]));
+          for (int m = 0; m < M; ++m) tot[r][m] += affine<BITS>(s[u][r], b[u][r], acc[r][m], xs[m][0], xs[m][1]);
         }
       }
     }

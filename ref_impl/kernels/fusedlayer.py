@@ -50,12 +50,17 @@ from ref_impl.kernels.layers import GEMVLinear, format_of, on_cuda
 from ref_impl.platform.timing import clock, median
 
 KERNELS = tuple(SOURCES)
-# warps per block: a block stages its input row once for all its warps, so more warps share that cost; the
-# kernels of 4096 output rows keep 8, so that their 256 blocks still fill 132 SMs; mlp_in's 4-bit body needs
-# 128 registers a thread, and 12 warps of it stay under an SM's 65536 with room to spare
-WARPS = {"attn_in": 16, "attend": 8, "attn_out": 8, "mlp_in": 12, "mlp_out": 8}
+# warps per block: a block stages its input row once for all its warps, so more warps share that cost, but
+# blocks that do not all fit at once leave SMs idle in the last wave. Each kernel's GPU time per call on the
+# H200, 8B shapes, 4-bit (results/h200-20261202-042500-fused_profile.log): attn_out 19.6 us with 8 warps,
+# 14.0 with 16 (128 blocks: one wave); mlp_in 47.4 us with 12, 43.8 with 8 (its 128 registers a thread fit
+# two blocks of 8 warps on an SM, one of 12); attn_in, 3072 warps: 4 warps 29.6 us, 8 warps 31.5, and 16
+# read float16 at 1748 GB/s against 2453 with 8 (results/h200-20261202-005000-*.log, -011256-*.log)
+WARPS = {"attn_in": 8, "attend": 8, "attn_out": 16, "mlp_in": 8, "mlp_out": 8}
 ROWS_PER_WARP = 2       # output rows a warp computes (attn_in: always one RoPE pair)
-UNROLL = {"attn_in": 4, "attn_out": 4, "mlp_in": 2, "mlp_out": 4}   # 16-byte loads per row in flight
+# 16-byte loads per row in flight, (dense, quantized): a 4-bit chunk is 32 weights of work against a dense
+# one's 8, so fewer suffice; quantized attn_in took 31.5 us with 4 and 25.7 with 2 (the profile above)
+UNROLL = {"attn_in": (4, 2), "attn_out": (4, 4), "mlp_in": (2, 2), "mlp_out": (4, 4)}
 KEYS_PER_SPLIT = 64     # attend: one block per key head and this many positions
 KEYS_AT_ONCE = 4        # attend: keys a warp loads before it computes
 MAX_SPLITS = 32
@@ -164,6 +169,7 @@ def launches(block: TransformerBlock) -> Launches:
     hq, hkv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
     d, f = block.input_layernorm.weight.shape[0], mlp_width(mlp)
     t = DTYPES[fmts[0].dtype]
+    quantized = int(fmts[0].bits != 16)       # why_not: one layer, all dense or all quantized
 
     def fmt(i: int, fm: Format) -> list:
         return [(f"B{i}", fm.bits), (f"G{i}", fm.group_size or 1)]
@@ -175,13 +181,16 @@ def launches(block: TransformerBlock) -> Launches:
     def head(name: str) -> list:
         return [("T", t), ("NW", WARPS[name])]
 
+    def rows(name: str) -> list:
+        return [("R", ROWS_PER_WARP), ("U", UNROLL[name][quantized])]
+
     templates = {
         "attn_in": head("attn_in") + fmt(0, fmts[0]) + fmt(1, fmts[1]) + fmt(2, fmts[2])
-        + [("D", hd), ("U", UNROLL["attn_in"]), ("TRAD", attn.rope_traditional)],
+        + [("D", hd), ("U", UNROLL["attn_in"][quantized]), ("TRAD", attn.rope_traditional)],
         "attend": head("attend") + [("D", hd), ("G", hq // hkv), ("KB", KEYS_AT_ONCE)],
-        "attn_out": head("attn_out") + fmt(0, fmts[3]) + [("R", ROWS_PER_WARP), ("U", UNROLL["attn_out"]), ("D", hd)],
-        "mlp_in": head("mlp_in") + fmt(0, fmts[4]) + [("R", ROWS_PER_WARP), ("U", UNROLL["mlp_in"])],
-        "mlp_out": head("mlp_out") + fmt(0, fmts[6]) + [("R", ROWS_PER_WARP), ("U", UNROLL["mlp_out"])],
+        "attn_out": head("attn_out") + fmt(0, fmts[3]) + rows("attn_out") + [("D", hd)],
+        "mlp_in": head("mlp_in") + fmt(0, fmts[4]) + rows("mlp_in"),
+        "mlp_out": head("mlp_out") + fmt(0, fmts[6]) + rows("mlp_out"),
     }
     threads = {k: 32 * WARPS[k] for k in KERNELS}
     counts = {"attn_in": blocks("attn_in", (hq + 2 * hkv) * hd, per_warp=2), "attn_out": blocks("attn_out", d),

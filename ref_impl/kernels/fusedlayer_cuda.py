@@ -87,7 +87,7 @@ __device__ __forceinline__ void dot(const float* xs, int k, const uint32_t* cons
       const int c = c0 + 32 * u;
       if (c < chunks) {
         const float* xc = xs + pad(c * CV);   // a chunk never crosses a pad: contiguous, 16-byte aligned
-        float acc[RW], xsum = 0.0f;
+        float acc[RW], xsum[2] = {0.0f, 0.0f};   // sums of x at even and odd positions
         #pragma unroll
         for (int r = 0; r < RW; ++r) acc[r] = 0.0f;
         #pragma unroll
@@ -108,7 +108,7 @@ __device__ __forceinline__ void dot(const float* xs, int k, const uint32_t* cons
             xv[1] = v2.y;
           }
           #pragma unroll
-          for (int e = 0; e < V; ++e) xsum += xv[e];
+          for (int e = 0; e < V; ++e) xsum[e & 1] += xv[e];
           #pragma unroll
           for (int r = 0; r < RW; ++r) {
             float q[V];
@@ -117,9 +117,10 @@ __device__ __forceinline__ void dot(const float* xs, int k, const uint32_t* cons
             for (int e = 0; e < V; ++e) acc[r] = fmaf(q[e], xv[e], acc[r]);
           }
         }
-        // affine: sum_i (s q_i + b) x_i = s sum_i q_i x_i + b sum_i x_i
         #pragma unroll
-        for (int r = 0; r < RW; ++r) tot[r] += AFFINE ? fmaf(sc[u][r], acc[r], bi[u][r] * xsum) : acc[r];
+        for (int r = 0; r < RW; ++r) {
+          tot[r] += AFFINE ? ::ref_gemv::affine<BITS>(sc[u][r], bi[u][r], acc[r], xsum[0], xsum[1]) : acc[r];
+        }
       }
     }
   }

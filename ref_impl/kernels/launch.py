@@ -14,12 +14,16 @@ One launch (`Launch`):
   16-byte chunks l, l + 32, ... of each of its rows, so each warp instruction loads 512 contiguous
   bytes, and issues `unroll` (U) chunks per row, R x U loads, before it computes. Weights are loaded with
   ld.global.nc.L1::no_allocate (read once; L1 keeps x, which every warp reads).
-- A chunk of a 4-bit matrix holds 32 codes of one group (8-bit: 16 codes). Codes become exact floats
-  without int-to-float conversion instructions (which issue at a fraction of the FMA rate, CUDA
-  Programming Guide, throughput table): OR the code into the mantissa of 2^23 and subtract 2^23 (for
-  4-bit codes left in place, shifted by 16^j, one FMA undoes both). The group's scale and
-  bias are applied once per chunk: sum_i (s q_i + b) x_i = s sum_i q_i x_i + b sum_i x_i, as MLX's
-  own Metal qdot does. x is read as 16-byte vectors and converted once per chunk for all R rows.
+- A chunk of a 4-bit matrix holds 32 codes of one group (8-bit: 16 codes). Codes become floats without
+  int-to-float conversion instructions (which issue at a fraction of the FMA rate, CUDA Programming
+  Guide, throughput table): an 8-bit code OR-ed into the mantissa of 2^23, minus 2^23, is the code; a
+  4-bit code OR-ed into 2048.0 or 128.0 (at bits 12-15 or 16-19 of the word, shifted or rotated there)
+  is the float 2048 + c or 128 + c, whose product with x is exact in float32, so the dot sums x (offset
+  + c) and the offsets leave once per chunk through sums of x: ~2.4 lane operations a code, where
+  subtracting first took 3, 5-16% more GB/s on the H200 (results/h200-20261202-034000-gemv4_decodes.log).
+  The group's scale and bias are applied once per chunk: sum_i (s q_i + b) x_i = s sum_i q_i x_i + b
+  sum_i x_i, as MLX's own Metal qdot does. x is read as 16-byte vectors and converted once per chunk
+  for all R rows.
 - Each lane's R x rows partial sums are reduced with warp shuffles (__shfl_xor_sync); lane r*rows+m
   writes y[m, r].
 - Fused variants cut launches: "glu" computes silu(x Wg^T) * (x Wu^T) for an MLP's gate and up

@@ -259,12 +259,16 @@ def layer_records(run: KernelRun, model: Model, fields: dict) -> list[dict]:
 
 
 def choice_records(choices: list, fields: dict, say: Callable[[str], None]) -> list[dict]:
-    """kernel-choice records: what the patch chose per (format, shape, rows, fused group), with its timings."""
+    """kernel-choice records: what the patch chose per (format, shape, rows, fused group), with its timings
+    (value None, and a note, where the patch chose without timing: --quick)."""
     records = []
     for c in choices:
         chosen = c.launch.label if c.launch else kernels.UNFUSED if c.fuse else kernels.BUILTIN
-        records.append(record("kernel-choice", "time_us", "us", c.seconds.get(chosen, math.nan) * 1e6,
-                              **{**fields, "weights": weights_name(c.fmt.name)}, variant=chosen, shape=[c.n, c.k], rows=c.rows,
+        timed = chosen in c.seconds
+        untimed = {} if timed else {"note": "not timed: launch_config's default launch (--quick)"}
+        records.append(record("kernel-choice", "time_us", "us", c.seconds[chosen] * 1e6 if timed else None,
+                              **untimed, **{**fields, "weights": weights_name(c.fmt.name)}, variant=chosen,
+                              shape=[c.n, c.k], rows=c.rows,
                               layers=c.layers, fuse=c.fuse, parts=list(c.parts),
                               timings_us={k: v * 1e6 for k, v in c.seconds.items()},
                               host_us={k: v * 1e6 for k, v in c.host.items()}, errors=c.errors))
@@ -369,7 +373,8 @@ def weight_type_records(run: KernelRun, args: ModelArgs, wt: str, work_dir: Path
         records += rec
         if variant == "layers":
             records += layer_records(run, model, fields)
-    records += queued_records(choices, fields, run.say)
+    if not run.quick:   # the quick patch times nothing to queue
+        records += queued_records(choices, fields, run.say)
     records.append(record("decode-kernels", "bytes_per_token", "B", step_bytes, variant="kernels", **fields))
     records += agreement_records(ids, fields)
     run.log(f"{wt} done")
