@@ -10,6 +10,7 @@ Chromium is Debian's (`make setup` installs it when run as root); set CHROMIUM t
 from __future__ import annotations
 
 import ast
+import base64
 import functools
 import http.server
 import json
@@ -339,6 +340,23 @@ def _check_figures_read(figures: list[dict]) -> None:
         assert f["plotHeight"] >= 200, f"figure {i}: its plot is {f['plotHeight']:.0f} px tall"
 
 
+def _screenshot(page, path: Path) -> None:
+    """The whole page as a PNG, as page.screenshot(full_page=True) takes it but with Chromium's fast PNG
+    compression: the same pixels in a file a quarter larger, in two thirds of the time (a 25,000 px tall
+    page: 2.1 s rather than 3.3 s on 2 cores)."""
+    page.evaluate("() => document.fonts.ready.then(() => true)")   # what page.screenshot waits for too
+    cdp = page.context.new_cdp_session(page)
+    try:
+        size = cdp.send("Page.getLayoutMetrics")["cssContentSize"]
+        shot = cdp.send("Page.captureScreenshot", {
+            "format": "png", "optimizeForSpeed": True, "captureBeyondViewport": True,
+            "clip": {"x": 0, "y": 0, "width": size["width"], "height": size["height"], "scale": 1}})
+    finally:
+        cdp.detach()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(base64.b64decode(shot["data"]))
+
+
 def _visible_words(page) -> list[str]:
     text = page.evaluate("() => document.querySelector('main, article, body').innerText")
     return sorted({m.group(0) for pat in WORKSHOP_WORDS for m in re.finditer(pat, text, re.I)})
@@ -367,8 +385,7 @@ def test_page_draws_every_figure_and_formula_offline(tab, server, built_book, pa
                  traces: d.querySelectorAll('.trace, .hm').length,   // a heatmap draws a .hm layer
                  height: d.getBoundingClientRect().height}))""")
         geometry = page.evaluate(FIGURE_GEOMETRY)
-        SHOTS.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(SHOTS / f"{page_path.replace('/', '__')}--{width}.png"), full_page=True)
+        _screenshot(page, SHOTS / f"{page_path.replace('/', '__')}--{width}.png")
 
         assert not [u for u in visit.blocked if "plotly" in u.lower()], \
             f"the page asked the network for plotly: {visit.blocked}"
