@@ -906,27 +906,19 @@ def test_fused_layer_says_why_it_leaves_a_layer():
 
 
 def test_fused_layer_launches_cover_every_row():
-    """The 8B layer's launch geometry: the fewest blocks that leave each warp at most LOOPS row groups (attn_in:
-    RoPE pairs) to loop over, each staged row fits its shared memory, attend splits the keys."""
+    """The 8B layer's launch geometry: every output row (attn_in: every RoPE pair) has a warp, no block is
+    wholly idle, each staged row fits its shared memory, attend splits the keys."""
     block = TransformerBlock(args_for("Llama-3.1-8B"))       # lazy: only shapes are read, nothing is computed
     nn.quantize(block, class_predicate=lambda path, m: isinstance(m, nn.Linear) and {
         "group_size": 32, "bits": 8 if path.endswith(("v_proj", "down_proj")) else 4})
     block.set_dtype(mx.float16)
-    kept = fusedlayer.LOOPS
-    try:
-        for loops in (1, 3, 4):     # each warp loops over LOOPS row groups, the grid's warps apart
-            fusedlayer.LOOPS = {k: loops for k in kept}
-            plan = fusedlayer.launches(block)
-            rows = {"attn_in": (32 + 16) * 128, "attn_out": 4096, "mlp_in": 14336, "mlp_out": 4096}
-            for name, n in rows.items():
-                warps = plan.grids[name] // 32
-                groups = -(-n // (2 if name == "attn_in" else fusedlayer.ROWS_PER_WARP))
-                need = -(-groups // loops)
-                assert need <= warps < need + fusedlayer.WARPS[name], (name, loops, warps, need)
-                assert plan.grids[name] % plan.threads[name] == 0 and plan.threads[name] == 32 * fusedlayer.WARPS[name]
-    finally:
-        fusedlayer.LOOPS = kept
     plan = fusedlayer.launches(block)
+    rows = {"attn_in": (32 + 16) * 128, "attn_out": 4096, "mlp_in": 14336, "mlp_out": 4096}
+    for name, n in rows.items():
+        warps = plan.grids[name] // 32
+        need = -(-n // (2 if name == "attn_in" else fusedlayer.ROWS_PER_WARP))
+        assert need <= warps < need + fusedlayer.WARPS[name], (name, warps, need)
+        assert plan.grids[name] % plan.threads[name] == 0 and plan.threads[name] == 32 * fusedlayer.WARPS[name]
     widths = {"attn_in": 4096, "attn_out": 4096, "mlp_in": 4096, "mlp_out": 14336}
     for name, k in widths.items():      # the last padded index, k - 1 + 4 (k - 1) // 32, fits
         assert plan.shared[name] >= 4 * (k + 4 * ((k - 1) // 32))

@@ -61,10 +61,6 @@ ROWS_PER_WARP = 2       # output rows a warp computes (attn_in: always one RoPE 
 # 16-byte loads per row in flight, (dense, quantized): a 4-bit chunk is 32 weights of work against a dense
 # one's 8, so fewer suffice; quantized attn_in took 31.5 us with 4 and 25.7 with 2 (the profile above)
 UNROLL = {"attn_in": (4, 2), "attn_out": (4, 4), "mlp_in": (2, 2), "mlp_out": (4, 4)}
-# row groups each warp computes in turn: a block stages its input once for all of them, and its warps
-# prefetch their next group's first PREFETCH chunks a row into L2 while they compute the current one
-LOOPS = {"attn_in": 1, "attn_out": 1, "mlp_in": 1, "mlp_out": 1}
-PREFETCH = {"attn_in": 0, "attn_out": 0, "mlp_in": 0, "mlp_out": 0}
 KEYS_PER_SPLIT = 64     # attend: one block per key head and this many positions
 KEYS_AT_ONCE = 4        # attend: keys a warp loads before it computes
 MAX_SPLITS = 32
@@ -179,21 +175,18 @@ def launches(block: TransformerBlock) -> Launches:
         return [(f"B{i}", fm.bits), (f"G{i}", fm.group_size or 1)]
 
     def blocks(name: str, rows: int, per_warp: int = ROWS_PER_WARP) -> int:
-        warps = -(-(-(-rows // per_warp)) // LOOPS[name])
+        warps = -(-rows // per_warp)
         return -(-warps // WARPS[name])
 
     def head(name: str) -> list:
         return [("T", t), ("NW", WARPS[name])]
 
-    def loads(name: str) -> list:
-        return [("U", UNROLL[name][quantized]), ("P", PREFETCH[name])]
-
     def rows(name: str) -> list:
-        return [("R", ROWS_PER_WARP)] + loads(name)
+        return [("R", ROWS_PER_WARP), ("U", UNROLL[name][quantized])]
 
     templates = {
         "attn_in": head("attn_in") + fmt(0, fmts[0]) + fmt(1, fmts[1]) + fmt(2, fmts[2])
-        + [("D", hd), ("TRAD", attn.rope_traditional)] + loads("attn_in"),
+        + [("D", hd), ("U", UNROLL["attn_in"][quantized]), ("TRAD", attn.rope_traditional)],
         "attend": head("attend") + [("D", hd), ("G", hq // hkv), ("KB", KEYS_AT_ONCE)],
         "attn_out": head("attn_out") + fmt(0, fmts[3]) + rows("attn_out") + [("D", hd)],
         "mlp_in": head("mlp_in") + fmt(0, fmts[4]) + rows("mlp_in"),

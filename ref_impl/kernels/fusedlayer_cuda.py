@@ -137,18 +137,10 @@ __device__ __forceinline__ void row_ptrs(const void* w, const T* s, const T* b, 
   br = BITS == 16 ? nullptr : b + (int64_t)row * (k / GROUP);
 }
 
-// The R rows of group g (rows gR..gR+R-1 of n; past the end, the last row again) as dot() takes them
-template <typename T, int BITS, int GROUP, int R>
-__device__ __forceinline__ void group_ptrs(const void* w, const T* s, const T* b, int k, int n, int g,
-                                           const uint32_t** wr, const T** sr, const T** br) {
-  #pragma unroll
-  for (int r = 0; r < R; ++r) row_ptrs<T, BITS, GROUP>(w, s, b, k, min(g * R + r, n - 1), wr[r], sr[r], br[r]);
-}
-
 // An L2 prefetch of the first U chunks a lane will read of each of its rows (`words` 32-bit words a row):
-// HBM starts on them while the block stages its input row, or while the warp computes its previous rows
+// HBM starts on them while the block stages its input row, which the dot must wait for
 template <int RW, int U>
-__device__ __forceinline__ void prefetch(const uint32_t* const* w, int words) {
+__device__ __forceinline__ void prefetch(const uint32_t* const (&w)[RW], int words) {
   const int lane = threadIdx.x & 31;
   #pragma unroll
   for (int r = 0; r < RW; ++r) {
@@ -272,72 +264,57 @@ __device__ __forceinline__ void load_head(const T* p, float (&f)[E]) {
 # together (TRAD: rows 2i, 2i + 1 of a head; else i, i + D/2) for q and k, two adjacent rows for v; q goes to
 # the output, k and v into the caches kc, vc (1, HKV, capacity, D) at position pos, in place: the caches are
 # inputs, so MLX does not see the write, and attend below, which reads them, takes q from here.
-# Like every matrix kernel here, a block stages its input once and its warps then loop over row groups
-# (the grid's warps apart), each prefetching its next group's first P chunks a row into L2 before the dot.
 ATTN_IN = r"""
   extern __shared__ float xs[];
   const int k = nw_shape[0], hkv = kc_shape[1], cap = kc_shape[2], hq = w0_shape[0] / D;
-  const int lane = threadIdx.x & 31, first = blockIdx.x * NW + threadIdx.x / 32, stride = gridDim.x * NW;
-  const int nq = hq * D / 2, nk = hkv * D / 2, pairs = nq + 2 * nk;
-  // pair p of all three matrices: its matrix, its rows there and their pointers, its words per row
-  auto locate = [&](int p, int& which, int (&row)[2], const uint32_t* (&wr)[2], const T* (&sr)[2],
-                    const T* (&br)[2]) {
-    which = p < nq ? 0 : p < nq + nk ? 1 : 2;
-    const int i = p - (which == 0 ? 0 : which == 1 ? nq : nq + nk), head = 2 * i / D, j = i % (D / 2);
-    if (which == 2 || TRAD) { row[0] = 2 * i; row[1] = 2 * i + 1; }
-    else { row[0] = head * D + j; row[1] = head * D + j + D / 2; }
-    #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      if (which == 0) ::ref_layer::row_ptrs<T, B0, G0>(w0, s0, b0, k, row[r], wr[r], sr[r], br[r]);
-      else if (which == 1) ::ref_layer::row_ptrs<T, B1, G1>(w1, s1, b1, k, row[r], wr[r], sr[r], br[r]);
-      else ::ref_layer::row_ptrs<T, B2, G2>(w2, s2, b2, k, row[r], wr[r], sr[r], br[r]);
-    }
-    return k * (which == 0 ? B0 : which == 1 ? B1 : B2) / 32;
-  };
-  int which, row[2];
+  const int lane = threadIdx.x & 31, wid = blockIdx.x * NW + threadIdx.x / 32;
+  const int nq = hq * D / 2, nk = hkv * D / 2;
+  const bool live = wid < nq + 2 * nk;
+  const int which = wid < nq ? 0 : wid < nq + nk ? 1 : 2;
+  const int p = live ? wid - (which == 0 ? 0 : which == 1 ? nq : nq + nk) : 0;   // the row pair in its matrix
+  const int head = 2 * p / D, i = p % (D / 2);
+  int row[2];
+  if (which == 2 || TRAD) { row[0] = 2 * p; row[1] = 2 * p + 1; }
+  else { row[0] = head * D + i; row[1] = head * D + i + D / 2; }
   const uint32_t* wr[2];
   const T* sr[2];
   const T* br[2];
-  if (first < pairs) ::ref_layer::prefetch<2, U>(wr, locate(first, which, row, wr, sr, br));
+  #pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (which == 0) ::ref_layer::row_ptrs<T, B0, G0>(w0, s0, b0, k, row[r], wr[r], sr[r], br[r]);
+    else if (which == 1) ::ref_layer::row_ptrs<T, B1, G1>(w1, s1, b1, k, row[r], wr[r], sr[r], br[r]);
+    else ::ref_layer::row_ptrs<T, B2, G2>(w2, s2, b2, k, row[r], wr[r], sr[r], br[r]);
+  }
+  if (live) ::ref_layer::prefetch<2, U>(wr, k * (which == 0 ? B0 : which == 1 ? B1 : B2) / 32);
   ::ref_layer::stage_norm<T>(x, nw, eps[0], k, xs);
+  if (!live) return;
   const bool al = (((uintptr_t)w0 | (uintptr_t)w1 | (uintptr_t)w2) & 15) == 0;
+  float y[2];
+  #define REF_DOT(B, G) \
+    if (al) ::ref_layer::dot<true, T, B, G, 2, U>(xs, k, wr, sr, br, y); \
+    else ::ref_layer::dot<false, T, B, G, 2, U>(xs, k, wr, sr, br, y);
+  if (which == 0) { REF_DOT(B0, G0) }
+  else if (which == 1) { REF_DOT(B1, G1) }
+  else { REF_DOT(B2, G2) }
+  #undef REF_DOT
+  if (lane != 0) return;
+  float a = ::ref_layer::rnd<T>(y[0]), c = ::ref_layer::rnd<T>(y[1]);   // the projections, in T
   const int at = pos[0];
-  for (int p = first; p < pairs; p += stride) {
-    locate(p, which, row, wr, sr, br);
-    if (P > 0 && p + stride < pairs) {
-      int wn, rn[2];
-      const uint32_t* wrn[2];
-      const T* srn[2];
-      const T* brn[2];
-      ::ref_layer::prefetch<2, P>(wrn, locate(p + stride, wn, rn, wrn, srn, brn));
-    }
-    float y[2];
-    #define REF_DOT(B, G) \
-      if (al) ::ref_layer::dot<true, T, B, G, 2, U>(xs, k, wr, sr, br, y); \
-      else ::ref_layer::dot<false, T, B, G, 2, U>(xs, k, wr, sr, br, y);
-    if (which == 0) { REF_DOT(B0, G0) }
-    else if (which == 1) { REF_DOT(B1, G1) }
-    else { REF_DOT(B2, G2) }
-    #undef REF_DOT
-    if (lane != 0) continue;
-    float a = ::ref_layer::rnd<T>(y[0]), c = ::ref_layer::rnd<T>(y[1]);   // the projections, in T
-    const int head = row[0] / D;
-    if (which < 2) {
-      float sn, cs;
-      sincosf((float)at * freqs[TRAD ? row[0] % D / 2 : row[0] % D], &sn, &cs);
-      const float a2 = a * cs - c * sn;
-      c = a * sn + c * cs;
-      a = a2;
-    }
-    if (which == 0) {
-      q[row[0]] = ::ref_gemv::from_float<T>(a);
-      q[row[1]] = ::ref_gemv::from_float<T>(c);
-    } else {
-      T* cache = const_cast<T*>(which == 1 ? kc : vc);
-      const int64_t base = ((int64_t)head * cap + at) * D;
-      cache[base + row[0] % D] = ::ref_gemv::from_float<T>(a);
-      cache[base + row[1] % D] = ::ref_gemv::from_float<T>(c);
-    }
+  if (which < 2) {
+    float sn, cs;
+    sincosf((float)at * freqs[i], &sn, &cs);
+    const float a2 = a * cs - c * sn;
+    c = a * sn + c * cs;
+    a = a2;
+  }
+  if (which == 0) {
+    q[row[0]] = ::ref_gemv::from_float<T>(a);
+    q[row[1]] = ::ref_gemv::from_float<T>(c);
+  } else {
+    T* cache = const_cast<T*>(which == 1 ? kc : vc);
+    const int64_t base = ((int64_t)head * cap + at) * D;
+    cache[base + row[0] % D] = ::ref_gemv::from_float<T>(a);
+    cache[base + row[1] % D] = ::ref_gemv::from_float<T>(c);
   }
 """
 
@@ -427,32 +404,24 @@ ATTEND = r"""
 # The output projection of the merged attention, plus the residual: y = x + (attention W^T), each in T
 ATTN_OUT = r"""
   extern __shared__ float xs[];
-  const int splits = part_shape[0], hq = part_shape[1], k = hq * D, n = x_shape[2], groups = (n + R - 1) / R;
-  const int lane = threadIdx.x & 31, first = blockIdx.x * NW + threadIdx.x / 32, stride = gridDim.x * NW;
+  const int splits = part_shape[0], hq = part_shape[1], k = hq * D, n = x_shape[2];
+  const int lane = threadIdx.x & 31, row0 = (blockIdx.x * NW + threadIdx.x / 32) * R;
   const uint32_t* wr[R];
   const T* sr[R];
   const T* br[R];
   float acc[R];
-  if (first < groups) {
-    ::ref_layer::group_ptrs<T, B0, G0, R>(w0, s0, b0, k, n, first, wr, sr, br);
-    ::ref_layer::prefetch<R, U>(wr, k * B0 / 32);
-  }
+  for (int r = 0; r < R; ++r)
+    ::ref_layer::row_ptrs<T, B0, G0>(w0, s0, b0, k, min(row0 + r, n - 1), wr[r], sr[r], br[r]);
+  if (row0 < n) ::ref_layer::prefetch<R, U>(wr, k * B0 / 32);
   ::ref_layer::stage_attention<T, D>(part, splits, hq, xs, xs + ::ref_layer::pad(k) + 4);
-  for (int g = first; g < groups; g += stride) {
-    if (P > 0 && g + stride < groups) {
-      ::ref_layer::group_ptrs<T, B0, G0, R>(w0, s0, b0, k, n, g + stride, wr, sr, br);
-      ::ref_layer::prefetch<R, P>(wr, k * B0 / 32);
-    }
-    ::ref_layer::group_ptrs<T, B0, G0, R>(w0, s0, b0, k, n, g, wr, sr, br);
-    if ((((uintptr_t)w0) & 15) == 0) ::ref_layer::dot<true, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
-    else ::ref_layer::dot<false, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
-    const int row = g * R + lane;
-    if (lane < R && row < n) {
-      float v = acc[0];
-      #pragma unroll
-      for (int r = 1; r < R; ++r) if (lane == r) v = acc[r];
-      y[row] = ::ref_gemv::from_float<T>(::ref_layer::to_float(x[row]) + ::ref_layer::rnd<T>(v));
-    }
+  if (row0 >= n) return;
+  if ((((uintptr_t)w0) & 15) == 0) ::ref_layer::dot<true, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
+  else ::ref_layer::dot<false, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
+  if (lane < R && row0 + lane < n) {
+    float v = acc[0];
+    #pragma unroll
+    for (int r = 1; r < R; ++r) if (lane == r) v = acc[r];
+    y[row0 + lane] = ::ref_gemv::from_float<T>(::ref_layer::to_float(x[row0 + lane]) + ::ref_layer::rnd<T>(v));
   }
 """
 
@@ -460,70 +429,54 @@ ATTN_OUT = r"""
 # (gate, up, sigmoid, silu, product). A warp reads R rows of each matrix.
 MLP_IN = r"""
   extern __shared__ float xs[];
-  const int k = nw_shape[0], n = w0_shape[0], groups = (n + R - 1) / R;
-  const int lane = threadIdx.x & 31, first = blockIdx.x * NW + threadIdx.x / 32, stride = gridDim.x * NW;
+  const int k = nw_shape[0], n = w0_shape[0];
+  const int lane = threadIdx.x & 31, row0 = (blockIdx.x * NW + threadIdx.x / 32) * R;
   const uint32_t* wr[2 * R];
   const T* sr[2 * R];
   const T* br[2 * R];
   float acc[2 * R];
-  if (first < groups) {
-    ::ref_layer::group_ptrs<T, B0, G0, R>(w0, s0, b0, k, n, first, wr, sr, br);
-    ::ref_layer::group_ptrs<T, B0, G0, R>(w1, s1, b1, k, n, first, wr + R, sr + R, br + R);
-    ::ref_layer::prefetch<2 * R, U>(wr, k * B0 / 32);
+  for (int r = 0; r < R; ++r) {
+    const int row = min(row0 + r, n - 1);
+    ::ref_layer::row_ptrs<T, B0, G0>(w0, s0, b0, k, row, wr[r], sr[r], br[r]);
+    ::ref_layer::row_ptrs<T, B0, G0>(w1, s1, b1, k, row, wr[R + r], sr[R + r], br[R + r]);
   }
+  if (row0 < n) ::ref_layer::prefetch<2 * R, U>(wr, k * B0 / 32);
   ::ref_layer::stage_norm<T>(x, nw, eps[0], k, xs);
-  const bool al = ((((uintptr_t)w0) | ((uintptr_t)w1)) & 15) == 0;
-  for (int g = first; g < groups; g += stride) {
-    if (P > 0 && g + stride < groups) {
-      ::ref_layer::group_ptrs<T, B0, G0, R>(w0, s0, b0, k, n, g + stride, wr, sr, br);
-      ::ref_layer::group_ptrs<T, B0, G0, R>(w1, s1, b1, k, n, g + stride, wr + R, sr + R, br + R);
-      ::ref_layer::prefetch<2 * R, P>(wr, k * B0 / 32);
-    }
-    ::ref_layer::group_ptrs<T, B0, G0, R>(w0, s0, b0, k, n, g, wr, sr, br);
-    ::ref_layer::group_ptrs<T, B0, G0, R>(w1, s1, b1, k, n, g, wr + R, sr + R, br + R);
-    if (al) ::ref_layer::dot<true, T, B0, G0, 2 * R, U>(xs, k, wr, sr, br, acc);
-    else ::ref_layer::dot<false, T, B0, G0, 2 * R, U>(xs, k, wr, sr, br, acc);
-    const int row = g * R + lane;
-    if (lane < R && row < n) {
-      float gt = acc[0], u = acc[R];
-      #pragma unroll
-      for (int r = 1; r < R; ++r) if (lane == r) { gt = acc[r]; u = acc[R + r]; }
-      gt = ::ref_layer::rnd<T>(gt);
-      const float sig = ::ref_layer::rnd<T>(1.0f / (1.0f + expf(-gt)));
-      y[row] = ::ref_gemv::from_float<T>(::ref_layer::rnd<T>(gt * sig) * ::ref_layer::rnd<T>(u));
-    }
+  if (row0 >= n) return;
+  if (((((uintptr_t)w0) | ((uintptr_t)w1)) & 15) == 0)
+    ::ref_layer::dot<true, T, B0, G0, 2 * R, U>(xs, k, wr, sr, br, acc);
+  else ::ref_layer::dot<false, T, B0, G0, 2 * R, U>(xs, k, wr, sr, br, acc);
+  if (lane < R && row0 + lane < n) {
+    float g = acc[0], u = acc[R];
+    #pragma unroll
+    for (int r = 1; r < R; ++r) if (lane == r) { g = acc[r]; u = acc[R + r]; }
+    g = ::ref_layer::rnd<T>(g);
+    const float sig = ::ref_layer::rnd<T>(1.0f / (1.0f + expf(-g)));
+    y[row0 + lane] = ::ref_gemv::from_float<T>(::ref_layer::rnd<T>(g * sig) * ::ref_layer::rnd<T>(u));
   }
 """
 
 # The down projection plus the residual: y = h + (a W^T), each in T
 MLP_OUT = r"""
   extern __shared__ float xs[];
-  const int k = a_shape[2], n = h_shape[2], groups = (n + R - 1) / R;
-  const int lane = threadIdx.x & 31, first = blockIdx.x * NW + threadIdx.x / 32, stride = gridDim.x * NW;
+  const int k = a_shape[2], n = h_shape[2];
+  const int lane = threadIdx.x & 31, row0 = (blockIdx.x * NW + threadIdx.x / 32) * R;
   const uint32_t* wr[R];
   const T* sr[R];
   const T* br[R];
   float acc[R];
-  if (first < groups) {
-    ::ref_layer::group_ptrs<T, B0, G0, R>(w0, s0, b0, k, n, first, wr, sr, br);
-    ::ref_layer::prefetch<R, U>(wr, k * B0 / 32);
-  }
+  for (int r = 0; r < R; ++r)
+    ::ref_layer::row_ptrs<T, B0, G0>(w0, s0, b0, k, min(row0 + r, n - 1), wr[r], sr[r], br[r]);
+  if (row0 < n) ::ref_layer::prefetch<R, U>(wr, k * B0 / 32);
   ::ref_layer::stage_row<T>(a, k, xs);
-  for (int g = first; g < groups; g += stride) {
-    if (P > 0 && g + stride < groups) {
-      ::ref_layer::group_ptrs<T, B0, G0, R>(w0, s0, b0, k, n, g + stride, wr, sr, br);
-      ::ref_layer::prefetch<R, P>(wr, k * B0 / 32);
-    }
-    ::ref_layer::group_ptrs<T, B0, G0, R>(w0, s0, b0, k, n, g, wr, sr, br);
-    if ((((uintptr_t)w0) & 15) == 0) ::ref_layer::dot<true, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
-    else ::ref_layer::dot<false, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
-    const int row = g * R + lane;
-    if (lane < R && row < n) {
-      float v = acc[0];
-      #pragma unroll
-      for (int r = 1; r < R; ++r) if (lane == r) v = acc[r];
-      y[row] = ::ref_gemv::from_float<T>(::ref_layer::to_float(h[row]) + ::ref_layer::rnd<T>(v));
-    }
+  if (row0 >= n) return;
+  if ((((uintptr_t)w0) & 15) == 0) ::ref_layer::dot<true, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
+  else ::ref_layer::dot<false, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
+  if (lane < R && row0 + lane < n) {
+    float v = acc[0];
+    #pragma unroll
+    for (int r = 1; r < R; ++r) if (lane == r) v = acc[r];
+    y[row0 + lane] = ::ref_gemv::from_float<T>(::ref_layer::to_float(h[row0 + lane]) + ::ref_layer::rnd<T>(v));
   }
 """
 
