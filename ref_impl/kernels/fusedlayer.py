@@ -122,6 +122,16 @@ def mlp_width(mlp: nn.Module) -> int:
     return inputs(mlp.down_proj)
 
 
+def unreadable(layer: nn.Module) -> str:
+    """Why the kernels cannot read a projection `matrix` refuses: its bias, or its format named."""
+    if "bias" in layer:
+        return "a bias, which the kernels do not add"
+    if isinstance(layer, nn.QuantizedLinear):
+        return f"{layer.mode} {layer.bits}-bit in groups of {layer.group_size}, a format the kernels do not read"
+    dtype = f"{dtype_name(layer.weight.dtype)} " if "weight" in layer else ""
+    return f"{dtype}{type(layer).__name__}, a format the kernels do not read"
+
+
 def why_not(block: nn.Module) -> str | None:
     """Why a decoder layer cannot run fused (None when it can): its architecture, formats or head shape."""
     if not isinstance(block, TransformerBlock):
@@ -132,8 +142,11 @@ def why_not(block: nn.Module) -> str | None:
     mods = list(projections(block).values())
     formats = [matrix(m)[0] for m in mods]
     if None in formats:
-        missing = [n for n, f in zip(MATRICES, formats) if f is None]
-        return f"{', '.join(missing)}: a format the kernels do not read, or a bias"
+        unread: dict[str, list[str]] = {}
+        for name, m, f in zip(MATRICES, mods, formats):
+            if f is None:
+                unread.setdefault(unreadable(m), []).append(name)
+        return "; ".join(f"{', '.join(names)}: {why}" for why, names in unread.items())
     if len({f.dtype for f in formats}) != 1 or formats[0].dtype != dtype_name(block.input_layernorm.weight.dtype):
         return "matrices and norms of different float types"
     if len({f.bits == 16 for f in formats}) != 1:
