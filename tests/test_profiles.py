@@ -51,7 +51,7 @@ def test_cupti_tokens_reads_each_setting_once_with_its_kernels(tmp_path):
     tokens = profiles.cupti_tokens(path)
     assert list(tokens) == [("f16", "unfused (MLX built-ins)"), ("f16", "fused W {} U {}")]
     mlx = tokens["f16", "unfused (MLX built-ins)"]
-    assert (mlx.wall_ms, mlx.busy_ms) == (6.67, 5.0) and len(mlx.us) == 2
+    assert (mlx.wall_ms, mlx.busy_ms) == (6.67, 5.0) and len(mlx.us) == 2 and mlx.error is None
     fused = tokens["f16", "fused W {} U {}"]
     assert fused.us == {"mlp_in": 60.0} and fused.ms == {"mlp_in": 1.92}      # the first of the repeated setting
     assert profiles.kernel_us(path, "void mlx::core::cu::gemv_single<__half") == 230.5
@@ -65,6 +65,7 @@ def test_loop_tokens_reads_the_settings_and_times_a_call(tmp_path):
     ((key, token),) = profiles.loop_tokens(path).items()
     assert key == ("q4q8", 2, 4, "{'attn_in': (4, 2)}")
     assert token.us == {"attn_in": 32.7, "attend": 15.7, "mlp_out": 32.4} and token.busy_ms == 4.82
+    assert token.error == 2.3e-3 and token.ms == {}
 
 
 def test_ncu_kernels_names_the_kernels_and_keeps_units_apart(tmp_path):

@@ -1,6 +1,6 @@
 """Readers of the GPU probes' logs in results/: the one place the chapters parse them.
 
-The fused-layer probes (results/h200-*-fused_profile.py, -fused_loops.py, -ncu_*.py) ran on a lent H200
+The fused-layer probes (results/h200-*-fused_profile.py, -fused_loops.py, -ncu_*.py) ran on the reference H200
 and printed text, not results records: kernel times from the GPU's own clock (CUPTI, through torch.profiler),
 and Nsight Compute's reports. These functions turn that text into numbers, so a chapter reads a probe the
 same way wherever it cites it.
@@ -18,12 +18,14 @@ from ref_impl import RESULTS_DIR
 
 @dataclass(frozen=True)
 class Token:
-    """One decode setting's token on the GPU's clock: wall and GPU-busy milliseconds a token, and each
-    kernel's time, in ms a token (`ms`) and in µs a call (`us`)."""
+    """One decode setting's token on the GPU's clock: wall and GPU-busy milliseconds a token, each kernel's
+    time in ms a token (`ms`) and in µs a call (`us`), and the logits' error against the unfused layers
+    (max |difference| / max |unfused|) where the probe checked it."""
     wall_ms: float
     busy_ms: float
     ms: dict[str, float]
     us: dict[str, float]
+    error: float | None = None
 
 
 def newest(pattern: str, results_dir: Path = RESULTS_DIR) -> Path:
@@ -48,14 +50,14 @@ def cupti_tokens(path: Path) -> dict[tuple[str, str], Token]:
 
 
 def loop_tokens(path: Path) -> dict[tuple[str, int, int, str], Token]:
-    """(model, loops, prefetch, unroll) -> Token from the resident-loop probe (-fused_loops.log: 'us/call:'
-    lines; the fused kernels run once a layer, `layers` of them a token, so ms is left empty)."""
-    pattern = (r"^(\S+) L (\d+) P (\d+) U (\{.*?\}): [\d.]+ tok/s, wall ([\d.]+), GPU busy ([\d.]+) ms/token.*\n"
-               r"    us/call: (.*)$")
+    """(model, loops, prefetch, unroll) -> Token from the resident-loop probe (-fused_loops.log), which gives
+    µs a call ('us/call:' lines), not ms a token: `ms` stays empty."""
+    pattern = (r"^(\S+) L (\d+) P (\d+) U (\{.*?\}): [\d.]+ tok/s, wall ([\d.]+), GPU busy ([\d.]+) ms/token, "
+               r"logits err (\S+) .*\n    us/call: (.*)$")
     out = {}
-    for model, loops, pf, unroll, wall, busy, calls in re.findall(pattern, path.read_text(), re.M):
+    for model, loops, pf, unroll, wall, busy, err, calls in re.findall(pattern, path.read_text(), re.M):
         us = {k: float(v) for k, v in re.findall(r"(\w+)\s+([\d.]+)", calls)}
-        out.setdefault((model, int(loops), int(pf), unroll), Token(float(wall), float(busy), {}, us))
+        out.setdefault((model, int(loops), int(pf), unroll), Token(float(wall), float(busy), {}, us, float(err)))
     return out
 
 
