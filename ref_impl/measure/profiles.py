@@ -1,9 +1,9 @@
-"""Readers of the GPU probes' logs in results/: the one place the chapters parse them.
+"""Readers of the GPU profilers' logs in results/: CUPTI's kernel times and Nsight Compute's reports.
 
-The fused-layer probes (results/h200-*-fused_profile.py, -fused_loops.py, -ncu_*.py) ran on the reference H200
-and printed text, not results records: kernel times from the GPU's own clock (CUPTI, through torch.profiler),
-and Nsight Compute's reports. These functions turn that text into numbers, so a chapter reads a probe the
-same way wherever it cites it.
+The fused-layer probes (results/h200-*-fused_profile.py, -fused_loops.py, -ncu_*.py) ran on the reference
+H200 and printed text, not results records: kernel times from the GPU's own clock (CUPTI, through
+torch.profiler) and Nsight Compute's counters and stall samples. These functions turn that text into
+numbers, so that every chapter citing one of these logs reads it the same way.
 See chapter: dispatch-kernel
 """
 
