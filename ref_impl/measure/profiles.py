@@ -64,10 +64,11 @@ def loop_tokens(path: Path) -> dict[tuple[str, int, int, str], Token]:
 def kernel_us(path: Path, name_start: str) -> float:
     """µs a call of the first kernel in a profile log whose name starts with `name_start` (e.g. MLX's
     'void mlx::core::cu::gemv_single<__half'), as the log prints it."""
-    m = re.search(rf"^    {re.escape(name_start)}.*?x\s+([\d.]+) us", path.read_text(), re.M)
-    if m is None:
-        raise ValueError(f"{path.name}: no kernel named {name_start}...")
-    return float(m.group(1))
+    for token in cupti_tokens(path).values():
+        for name, us in token.us.items():
+            if name.startswith(name_start):
+                return us
+    raise ValueError(f"{path.name}: no kernel named {name_start}...")
 
 
 def ncu_kernels(path: Path) -> list[tuple[str, dict[str, float]]]:
