@@ -7,6 +7,7 @@
     python -m ref_impl train --preset stdlib-10m --out models/
     python -m ref_impl train --mtp models/stdlib-10m.gguf --out models/
     python -m ref_impl bench --model models/stdlib-10m.gguf
+    python -m ref_impl bench --roofs --label cpu-2core
     python -m ref_impl bench --quant-groups --label cpu-2core
     python -m ref_impl bench --link --label h200
     python -m ref_impl bench --unified --label h200
@@ -225,10 +226,15 @@ def add_bench(sub) -> None:
     b.add_argument("--quant-groups", action="store_true",
                    help="held-out perplexity of --model with one group of matrices (attention, MLP, embedding) "
                         "rounded through Q4_K at a time")
-    b.add_argument("--ppl-tokens", type=int, default=16384,
-                   help="held-out tokens for --quant's and --quant-groups' perplexity (0: skip --quant's)")
+    b.add_argument("--ppl-tokens", type=int, default=None,
+                   help="held-out tokens for --quant's and --quant-groups' perplexity, a sample spread over the text "
+                        "(default: every held-out token, the perplexity the book reports; 0: skip --quant's)")
     b.add_argument("--shape", help="decode a random-weight model of this public shape, e.g. Llama-3.1-8B")
     b.add_argument("--weights", nargs="+", default=["F16", "Q4_K"], help="weight types for --shape")
+    b.add_argument("--roofs", action="store_true",
+                   help="this machine's roofs alone: memory probes (MLX copy and read; numpy's copy on a CPU) and the "
+                        "matmul peak; --model, --shape, --kernels and --capstone record them too")
+    b.add_argument("--roof-bytes", type=int, default=1 << 30, help="the array the memory probes copy and read (bytes)")
     b.add_argument("--link", action="store_true",
                    help="copy bandwidth: host memory (numpy) and host<->device through PyTorch if it sees a GPU")
     b.add_argument("--link-budget", type=float, default=60.0, help="seconds --link may spend on device copies")

@@ -14,16 +14,19 @@ from ref_impl.formats import gguf
 from ref_impl.measure import peers, quant
 from ref_impl.measure.decode import bench_decode, bench_shape, forward_sweep, this_machine
 from ref_impl.measure.link import SIZES, measure_link
-from ref_impl.measure.records import recorded_copy_gbs, write_results
+from ref_impl.measure.records import write_results
 from ref_impl.theory import roofline
 
 
 @pytest.fixture(scope="module")
 def records(shipped_model):
-    return bench_decode(shipped_model, prompt_len=16, gen_tokens=24, repeats=1, peers=True)
+    return bench_decode(shipped_model, prompt_len=16, gen_tokens=24, repeats=1, peers=True, roof_bytes=16 << 20)
 
 
 def test_every_engine_reports_every_metric(records):
+    roofs = [r for r in records if r["experiment"] == "roofs"]   # the machine's roofs, first
+    assert records[:len(roofs)] == roofs and {r["variant"] for r in roofs} == {"copy", "read", "host copy", "matmul"}
+    records = records[len(roofs):]
     engines = {(r["peer"], r["variant"]) for r in records}
     assert (None, "sync") in engines and (None, "async_eval") in engines
     peers = {p for p, _ in engines if p}
@@ -65,9 +68,11 @@ def test_bench_shape_reports_bytes_speed_and_bandwidth_share(tmp_path):
     from ref_impl.engine.model import ModelArgs
 
     args = ModelArgs(256, 256, 2, 512, 4, 2, max_position_embeddings=64, tie_word_embeddings=False)
-    recs = bench_shape("tiny", args, ["F16", "Q4_K"], tmp_path, prompt_len=4, gen_tokens=4, repeats=1)
+    recs = bench_shape("tiny", args, ["F16", "Q4_K"], tmp_path, prompt_len=4, gen_tokens=4, repeats=1,
+                       roof_bytes=16 << 20)
     got = {(r["weights"], r["metric"]): r["value"] for r in recs}
-    assert {r["variant"] for r in recs if r["metric"] == "bandwidth"} == {"copy", "read"}
+    assert {r["variant"] for r in recs if r["metric"] == "bandwidth"} == {"copy", "read", "host copy"}   # a CPU
+    assert [r["variant"] for r in recs if r["metric"] == "peak_flops"] == ["matmul"]
     assert got["Q4_K", "bits_per_weight"] == pytest.approx(4.5, abs=0.05)   # 144 B / 256 values, + F32 norms
     assert got["F16", "bits_per_weight"] == pytest.approx(16, abs=0.05)
     # by hand: 2 layers of q, k, v, o, gate, up, down + the output matrix; MLX Q4_K is 4 bits + 2 x 32-bit
@@ -76,7 +81,7 @@ def test_bench_shape_reports_bytes_speed_and_bandwidth_share(tmp_path):
     norms = (2 * 2 + 1) * 256 * 4
     kv = 2 * 2 * 2 * 64 * (4 + 4 // 2) * 4
     assert got["Q4_K", "bytes_per_token"] == matrices * 6 / 8 + norms + kv
-    bw = max(r["value"] for r in recs if r["metric"] == "bandwidth")
+    bw = max(r["value"] for r in recs if r["metric"] == "bandwidth")   # the fastest probe: records.bandwidth's
     assert got["Q4_K", "bandwidth_fraction"] == pytest.approx(
         got["Q4_K", "bytes_per_token"] * got["Q4_K", "tokens_per_s"] / 1e9 / bw)
     assert not list(tmp_path.glob("*.gguf"))          # the multi-GB files of real shapes are not kept
@@ -186,23 +191,6 @@ def test_bench_quant_groups_scores_each_group_on_the_same_windows(shipped_model)
         assert by[g, "heldout_perplexity"]["tokens"] == 1024
     assert by["none (float32)", "window_loss"]["value"] == pytest.approx(float_loss, rel=1e-6)
     assert by["every matrix", "window_loss"]["samples"] != by["none (float32)", "window_loss"]["samples"]
-
-
-def test_recorded_copy_bandwidth_prefers_the_newest_mlx_copy_then_twice_the_host_copy(tmp_path):
-    def write(name, label, records):
-        machine = {"label": label, "cpu": "Some CPU"}
-        (tmp_path / name).write_text(json.dumps({"schema": 1, "machine": machine, "records": records}))
-
-    copy = {"experiment": "link", "variant": "host copy (numpy)", "metric": "copy_bandwidth", "bytes": 256 << 20}
-    write("a-1.json", "a", [{**copy, "value": 10.0}, {**copy, "variant": "h2d pinned", "value": 50.0},
-                            {**copy, "bytes": 1 << 20, "value": 40.0}])
-    assert recorded_copy_gbs("a", "Some CPU", tmp_path) == (20.0, "a-1.json")
-    bw = {"experiment": "bandwidth", "variant": "copy", "metric": "bandwidth"}
-    write("a-2.json", "a", [{**bw, "value": 30.0}])
-    write("a-3.json", "a", [{**bw, "value": 31.0}, {**bw, "variant": "read", "value": 99.0}])
-    assert recorded_copy_gbs("a", "Some CPU", tmp_path) == (31.0, "a-3.json")
-    with pytest.raises(LookupError, match="no recorded copy bandwidth for b"):
-        recorded_copy_gbs("b", "Some CPU", tmp_path)
 
 
 def test_this_machine_measures_positive_finite_numbers():

@@ -3,28 +3,29 @@
 import json
 
 from ref_impl.measure import capstone
-from ref_impl.measure.records import record
+from ref_impl.measure.records import record, references
 
 
 def _results(path, label, records):
-    path.write_text(json.dumps({"schema": 1, "date": "", "git": "", "command": "",
+    date = f"{path.stem[-15:-11]}-{path.stem[-11:-9]}-{path.stem[-9:-7]}T{path.stem[-6:-4]}:00:00+00:00"
+    path.write_text(json.dumps({"schema": 1, "date": date, "git": "", "command": "",
                                 "machine": {"label": label}, "records": records}))
 
 
-def test_newest_runs_keeps_a_machines_shipped_model_and_shape_runs_apart(tmp_path):
+def test_the_reference_runs_keep_a_machines_shipped_model_and_shape_runs_apart(tmp_path):
     def rung(model, tps):
         return record("capstone", "tokens_per_s", "tok/s", tps, model=model, variant="plain", weights="F32", kv="f32")
 
     _results(tmp_path / "gpu-20261201-100000.json", "gpu", [rung("stdlib-10m", 700.0)])
     _results(tmp_path / "gpu-20261201-110000.json", "gpu", [rung("Llama-3.1-8B", 150.0)])
     _results(tmp_path / "cpu-20261201-090000.json", "cpu", [rung("stdlib-10m", 60.0)])
-    newest = capstone.newest_runs(results_dir=tmp_path)
-    assert {k: v[0] for k, v in newest.items()} == {"gpu": "gpu-20261201-110000.json",
-                                                    "cpu": "cpu-20261201-090000.json"}
-    shipped = capstone.newest_runs(model="stdlib-10m", results_dir=tmp_path)
-    assert shipped["gpu"][0] == "gpu-20261201-100000.json" and shipped["gpu"][2][0]["value"] == 700.0
-    assert set(capstone.newest_runs(model="Llama-3.1-8B", results_dir=tmp_path)) == {"gpu"}
-    assert capstone.newest_runs(model="Qwen3-8B", results_dir=tmp_path) == {}
+    newest = references("capstone", tmp_path)
+    assert {k: v.file for k, v in newest.items()} == {"gpu": "gpu-20261201-110000.json",
+                                                      "cpu": "cpu-20261201-090000.json"}
+    shipped = references("capstone", tmp_path, model="stdlib-10m")
+    assert shipped["gpu"].file == "gpu-20261201-100000.json" and shipped["gpu"].records[0]["value"] == 700.0
+    assert set(references("capstone", tmp_path, model="Llama-3.1-8B")) == {"gpu"}
+    assert references("capstone", tmp_path, model="Qwen3-8B") == {}
 
 
 def test_weights_keeps_one_model_resident_so_a_rungs_peak_is_its_own(tmp_path):

@@ -143,7 +143,7 @@ def test_train_micro(trained):
 def test_bench_writes_results(tmp):
     out = tmp / "bench"
     r = cli("bench", "--no-peers", "--repeats", "1", "--gen-tokens", "8", "--prompt-len", "8",
-            "--out", out, "--model", MODEL)
+            "--out", out, "--model", MODEL, "--roof-bytes", str(16 << 20))
     assert r.returncode == 0, r.stderr
     (path,) = out.glob("*.json")
     doc = json.loads(path.read_text())
@@ -317,18 +317,18 @@ def test_bench_capstone_long_only_on_a_shape_records_the_long_case_alone(tmp):
     assert r.returncode == 0, r.stderr
     (path,) = out.glob("*.json")
     records = json.loads(path.read_text())["records"]
-    assert {rec["experiment"] for rec in records} == {"capstone-bandwidth", "capstone-long"}
+    assert {rec["experiment"] for rec in records} == {"roofs", "capstone-long"}
     assert {rec["kv"] for rec in records if rec["metric"] == "tokens_per_s"} >= {"f32", "sym8"}
 
 
 def test_bench_capstone_quick_writes_the_records_the_chapter_reads(tmp):
     from ref_impl.measure import capstone
+    from ref_impl.measure.records import reference
 
     out = tmp / "capstone"
     r = cli("bench", "--capstone", "--quick", "--out", out, "--label", "cli-capstone", timeout=900)
     assert r.returncode == 0, r.stderr
-    name, machine, records = capstone.newest_runs("capstone", results_dir=out)["cli-capstone"]
-    rows = capstone.table(records)
+    rows = capstone.table(reference("capstone", "cli-capstone", out).records)
     ours = {row["variant"]: row for row in rows if row["peer"] is None}
     assert [v for v, row in ours.items() if row["ladder"] is not None][:3] == ["plain", "+pipeline", "+Q4_K_M"]
     for row in ours.values():
@@ -338,7 +338,7 @@ def test_bench_capstone_quick_writes_the_records_the_chapter_reads(tmp):
     assert 0 < ours["draft"]["alpha"] <= 1 and ours["mtp"]["speculate"] == "mtp"
     assert {row["variant"].split()[0] for row in rows if row["peer"]} == {"mlx-lm", "llama.cpp"}
     assert all(row.get("tokens_per_s", 0) > 0 for row in rows if row["peer"]), [r for r in rows if r.get("note")]
-    long = capstone.table(capstone.newest_runs("capstone-long", results_dir=out)["cli-capstone"][2])
+    long = capstone.table(reference("capstone-long", "cli-capstone", out).records)
     assert {row["kv"] for row in long if row["peer"] is None} == {"f32", "sym8", "affine8-g64", "affine4-g64"}
-    ppl = capstone.newest_runs("capstone-ppl", results_dir=out)["cli-capstone"][2]
-    assert len(ppl) == 6 and all(r["value"] > 1 for r in ppl)
+    ppl = reference("capstone-ppl", "cli-capstone", out).records
+    assert len(ppl) == 6 and all(r["value"] > 1 and r["tokens"] == 32 for r in ppl)

@@ -100,24 +100,6 @@ def test_streaming_grid_lists_only_overflowing_configurations():
     assert not any((r["bits"], r["vram_gb"]) == (4, 8) for r in rows)   # 4.0 GB fits in 8 GB
 
 
-def test_host_copy_recorded_takes_each_machines_latest_file_sorted_by_size(tmp_path):
-    import json
-
-    def write(name, label, points):
-        records = [{"experiment": "link", "variant": "host copy (numpy)", "metric": "copy_bandwidth",
-                    "unit": "GB/s", "value": v, "bytes": b} for b, v in points]
-        records.append({"experiment": "link", "variant": "h2d pinned", "metric": "copy_bandwidth",
-                        "unit": "GB/s", "value": 50.0, "bytes": 4096})
-        (tmp_path / name).write_text(json.dumps({"machine": {"label": label}, "records": records}))
-
-    write("a-1.json", "a", [(4096, 1.0)])
-    write("a-2.json", "a", [(16384, 3.0), (4096, 2.0)])
-    write("b-1.json", "b", [(4096, 5.0)])
-    rec = records.host_copy_recorded(tmp_path)
-    assert rec["a"]["file"] == "a-2.json" and rec["a"]["sizes"] == [4096, 16384] and rec["a"]["gbs"] == [2.0, 3.0]
-    assert rec["b"]["gbs"] == [5.0] and rec["b"]["machine"] == {"label": "b"}
-
-
 def test_pipeline_link_bytes_and_ethernet_payload_by_hand():
     # Llama-3.1-8B over two machines, 16-bit: one hidden state of 4096 x 2 bytes + a 4-byte header, the token back
     assert ic.pipeline_link_bytes(4096, 2, 2) == 8192 + 4 + 4 and ic.pipeline_link_bytes(4096, 2, 1) == 0

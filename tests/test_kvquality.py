@@ -29,10 +29,15 @@ def shipped(shipped_model):
     return model, stream
 
 
+def cached_ppl(model, stream, scheme: str, context: int = CONTEXT, windows: int = WINDOWS, **params) -> float:
+    """The held-out perplexity through a `scheme` cache, on `windows` windows of `context` (a sample)."""
+    return evaluate.perplexity(evaluate.heldout_losses(model, stream, windows * context, context, scheme, **params))
+
+
 @pytest.fixture(scope="module")
 def float_ppl(shipped):
     model, stream = shipped
-    return kv.cache_perplexity(model, stream, kv.FLOAT, CONTEXT, WINDOWS)
+    return cached_ppl(model, stream, kv.FLOAT)
 
 
 def test_capture_matches_model_and_rope_keeps_pair_norms(shipped):
@@ -81,20 +86,34 @@ def test_float_cache_perplexity_equals_mean_loss(shipped, float_ppl):
     expected = math.exp(evaluate.mean_loss(model, stream, CONTEXT, max_tokens=WINDOWS * CONTEXT, spread=True))
     assert float_ppl == pytest.approx(expected, rel=1e-4)
     # token by token reads the same history
-    ppl_1 = kv.cache_perplexity(model, stream, kv.FLOAT, 32, 1, chunk=1)
+    ppl_1 = cached_ppl(model, stream, kv.FLOAT, 32, 1, chunk=1)
     assert ppl_1 == pytest.approx(math.exp(evaluate.mean_loss(model, stream, 32, max_tokens=32, spread=True)), rel=1e-4)
+
+
+def test_heldout_perplexity_scores_every_window_unless_sampled(shipped):
+    """The one held-out evaluation: every window of the model's context over the stream, or a sample of
+    max_tokens of it spread evenly, the same windows for every scheme."""
+    model, stream = shipped
+    short = stream[:5 * CONTEXT + 1]
+    every = evaluate.heldout_losses(model, short, context=CONTEXT)
+    assert len(every) == 5
+    np.testing.assert_allclose(every, evaluate.window_losses(model, short, CONTEXT), rtol=1e-5)
+    sample = evaluate.heldout_losses(model, short, 2 * CONTEXT, CONTEXT)
+    np.testing.assert_allclose(sample, every[[0, 4]], rtol=1e-5)             # the first and last, spread evenly
+    assert evaluate.perplexity(every) == pytest.approx(math.exp(every.mean()))
+    assert len(evaluate.heldout_losses(model, stream[:2 * 512 + 1])) == 2      # the model's own 512-token context
 
 
 @pytest.mark.parametrize("scheme", ["sym8", "affine8-g64"])
 def test_8bit_schemes_near_float(shipped, float_ppl, scheme):
     model, stream = shipped
-    ppl = kv.cache_perplexity(model, stream, scheme, CONTEXT, WINDOWS)
+    ppl = cached_ppl(model, stream, scheme)
     assert ppl != float_ppl and abs(ppl / float_ppl - 1) < 0.01
 
 
 def test_4bit_sym_costs_more_than_8bit(shipped, float_ppl):
     model, stream = shipped
-    p8, p4 = (kv.cache_perplexity(model, stream, s, CONTEXT, WINDOWS) for s in ("sym8", "sym4"))
+    p8, p4 = (cached_ppl(model, stream, s) for s in ("sym8", "sym4"))
     assert abs(p4 - float_ppl) > abs(p8 - float_ppl)
 
 

@@ -7,8 +7,11 @@ import json
 
 import numpy as np
 
+import pytest
+
 from ref_impl import RESULTS_DIR
-from ref_impl.measure.records import canonical, read_results, record, select
+from ref_impl.measure import records
+from ref_impl.measure.records import ROOFS, canonical, read_results, record, select
 
 OLD_FLOAT_NAMES = {"float", "float16", "float32", "bfloat16"}
 
@@ -34,17 +37,21 @@ def test_canonical_maps_old_names_and_leaves_the_record_alone():
 
 
 def test_every_recorded_file_reads_back_with_its_values_untouched_in_one_vocabulary():
-    files = sorted(RESULTS_DIR.glob("*.json"))
-    experiments = {r["experiment"] for p in files for r in json.loads(p.read_text())["records"]}
-    for experiment in experiments:
-        raw = [(p.name, r) for p in files for r in json.loads(p.read_text())["records"]
-               if r["experiment"] == experiment]
-        read = read_results(experiment)
-        assert [name for name, _ in raw] == [name for name, _, _ in read]
-        for (_, before), (_, _, after) in zip(raw, read):
+    for path in sorted(RESULTS_DIR.glob("*.json")):
+        raw = json.loads(path.read_text())
+        run = records.read_run(path)
+        assert (run.file, run.machine, run.date, run.git) == (path.name, raw["machine"], raw["date"], raw["git"])
+        assert len(run.records) == len(raw["records"])
+        for before, after in zip(raw["records"], run.records):
             assert (after["value"], after["samples"], after["metric"]) == (before["value"], before["samples"],
                                                                          before["metric"])
+            assert after["experiment"] == (ROOFS if before["experiment"] in records.OLD_ROOFS else before["experiment"])
             assert after.get("kv") not in OLD_FLOAT_NAMES and after.get("weights") not in {"f16", "f32", "bf16"}
+    experiments = {r["experiment"] for run in records.all_runs() for r in run.records}
+    assert ROOFS in experiments and not experiments & set(records.OLD_ROOFS)
+    for experiment in experiments:   # the tuple reader gives the same records, oldest run first
+        rows = read_results(experiment)
+        assert [r for _, _, r in rows] == [r for run in records.runs(experiment) for r in run.records]
 
 
 def test_select_keeps_the_rows_whose_fields_all_match(tmp_path):
@@ -52,3 +59,47 @@ def test_select_keeps_the_rows_whose_fields_all_match(tmp_path):
     (tmp_path / "m-1.json").write_text(json.dumps({"schema": 1, "machine": {"label": "m"}, "records": recs}))
     assert [r["value"] for _, _, r in select("link", tmp_path, variant="a")] == [1, 3]
     assert [r["value"] for _, _, r in select("link", tmp_path, variant="a", metric="other")] == []
+
+
+def write(tmp_path, name: str, label: str, date: str, recs: list[dict], git: str = "abc1234") -> None:
+    doc = {"schema": 1, "date": date, "git": git, "command": "python -m ref_impl bench", "machine": {"label": label},
+           "records": recs}
+    (tmp_path / name).write_text(json.dumps(doc))
+
+
+def test_the_reference_run_is_the_newest_complete_one_per_machine(tmp_path):
+    speed = lambda v, model="m": record("decode", "tokens_per_s", "tok/s", v, model=model)
+    write(tmp_path, "a-3.json", "a", "2026-01-03T00:00:00+00:00", [speed(float("nan"))])     # a failed measurement
+    write(tmp_path, "a-2.json", "a", "2026-01-02T00:00:00+00:00", [speed(2.0), speed(9.0, "other")])
+    write(tmp_path, "a-1.json", "a", "2026-01-01T00:00:00+00:00", [speed(1.0)])
+    write(tmp_path, "b-1.json", "b", "2026-01-05T00:00:00+00:00",
+          [record("decode", "skipped", None, None, model="m", note="no GPU"), speed(5.0, "other")])
+    assert [r.file for r in records.runs("decode", tmp_path, model="m")] == ["a-1.json", "a-2.json", "a-3.json",
+                                                                              "b-1.json"]
+    ref = records.references("decode", tmp_path, model="m")
+    assert {k: v.file for k, v in ref.items()} == {"a": "a-2.json", "b": "b-1.json"}   # a recorded skip is complete
+    assert [r["value"] for r in ref["a"].records] == [2.0]                           # its records of `where` only
+    assert records.reference("decode", "a", tmp_path, model="m").value("decode", "tokens_per_s") == 2.0
+    assert records.reference("decode", "c", tmp_path) is None
+    assert ref["a"].caption == "a, 2 Jan 2026, commit abc1234 (results/a-2.json)"
+    with pytest.raises(LookupError, match="a-2.json: 2 decode records of tokens_per_s"):
+        records.read_run(tmp_path / "a-2.json").value("decode", "tokens_per_s")
+
+
+def test_shares_are_divided_by_the_fastest_probe_of_the_run_or_of_the_machines_reference_roofs(tmp_path):
+    probe = lambda v, variant, experiment=ROOFS: record(experiment, "bandwidth", "GB/s", v, variant=variant)
+    write(tmp_path, "a-1.json", "a", "2026-01-01T00:00:00+00:00", [probe(3.0, "copy"), probe(4.0, "read")])
+    write(tmp_path, "a-2.json", "a", "2026-01-02T00:00:00+00:00",   # an older file's name for the probes
+          [probe(2.0, "copy", "capstone-bandwidth"), probe(20.0, "host copy", "capstone-bandwidth"),
+           record(ROOFS, "peak_flops", "FLOP/s", 1e11, variant="matmul")])
+    write(tmp_path, "a-3.json", "a", "2026-01-03T00:00:00+00:00", [record("decode", "tokens_per_s", "tok/s", 9.0)])
+    write(tmp_path, "b-1.json", "b", "2026-01-01T00:00:00+00:00", [record("decode", "tokens_per_s", "tok/s", 9.0)])
+    own = records.read_run(tmp_path / "a-1.json")
+    assert records.bandwidth(own, tmp_path)[0] == 4.0 and records.bandwidth(own, tmp_path)[1].file == "a-1.json"
+    assert records.peak_flops(own, tmp_path) is None                   # that run measured bandwidth only
+    other = records.read_run(tmp_path / "a-3.json")                    # no probe of its own: the machine's newest
+    gbs, source = records.bandwidth(other, tmp_path)
+    assert (gbs, source.file) == (20.0, "a-2.json") and records.peak_flops(other, tmp_path)[0] == 1e11
+    with pytest.raises(LookupError, match="no memory probe recorded on b"):
+        records.bandwidth(records.read_run(tmp_path / "b-1.json"), tmp_path)
+    assert records.fastest_bandwidth([probe(1.0, "copy"), record("gemv", "bandwidth", "GB/s", 99.0)]) == 1.0

@@ -48,14 +48,14 @@ from ref_impl.engine.random import args_for, write_random_model
 from ref_impl.engine.tokenizer import Tokenizer
 from ref_impl.formats import gguf
 from ref_impl.formats.quantize import quantize_file
-from ref_impl.measure.decode import decode_bytes, memory_bandwidth
-from ref_impl.measure.kv import cache_perplexity
+from ref_impl.measure.decode import decode_bytes, roofs
 from ref_impl.measure.peers import Stream, llama_bench_records, llama_cpp_stream, mlx_lm_stream
-from ref_impl.measure.records import dtype_name, read_results, record, select
+from ref_impl.measure.records import dtype_name, fastest_bandwidth, record
 from ref_impl.measure.spec import heldout_prompts
 from ref_impl.platform.machine import package_version
 from ref_impl.platform.timing import TokenRun, decode_metrics, time_tokens
 from ref_impl.training.corpus import heldout_stream
+from ref_impl.training.evaluate import heldout_losses, perplexity
 
 Say = Callable[[str], None]
 QUANTIZED = "Q4_K_M"     # the quantized weights of every rung that turns weights on
@@ -73,9 +73,9 @@ class CapstonePlan:
     fused_kv: str = "affine8-g64"    # the fused-attention cache rung: mlx-lm's own 8-bit cache format
     long_context: int = 4096         # the long-context case's prompt (0: none)
     long_tokens: int = 32
-    ppl_context: int = 256
-    ppl_windows: int = 8
-    bandwidth_bytes: int = 1 << 30   # the array decode.memory_bandwidth copies and reads
+    ppl_context: int = 0             # held-out perplexity: window length (0: the model's context)
+    ppl_tokens: int = 0              # and tokens scored (0: the whole held-out text, `evaluate.heldout_losses`)
+    bandwidth_bytes: int = 1 << 30   # the array decode.roofs copies and reads
     ladder: bool = True              # False: the long-context case only (its own run where a call's time is short)
 
     @classmethod
@@ -85,7 +85,7 @@ class CapstonePlan:
             raise ValueError("--long-only needs a long-context case: --long-context must be positive")
         if quick:
             return cls(prompts=2, prompt_len=16, gen_tokens=8, long_context=96, long_tokens=4, ppl_context=32,
-                       ppl_windows=1, bandwidth_bytes=64 << 20, ladder=ladder)
+                       ppl_tokens=32, bandwidth_bytes=64 << 20, ladder=ladder)
         return cls(prompts=4, prompt_len=prompt_len, gen_tokens=gen_tokens, long_context=long_context, ladder=ladder)
 
 
@@ -323,13 +323,14 @@ def perplexity_records(plan: CapstonePlan, weights: Weights, tokenizer: Tokenize
         model = weights.model(w, False)
         for kv, fused in ((FLOAT, False), (plan.kv, False), (plan.fused_kv, True)):
             say(f"capstone-ppl: {weights.types[w]} weights, kv {kv}")
-            fields = {"model": weights.name, "weights": weights.types[w], "context": plan.ppl_context, "fused": fused,
+            context = plan.ppl_context or model.args.max_position_embeddings
+            fields = {"model": weights.name, "weights": weights.types[w], "context": context, "fused": fused,
                       "kv": dtype_name(model.norm.weight.dtype) if kv == FLOAT else kv}
 
-            def measure(model=model, kv=kv, fused=fused, fields=fields):
-                ppl = cache_perplexity(model, stream, kv, plan.ppl_context, plan.ppl_windows, fused=fused)
-                return [record("capstone-ppl", "heldout_perplexity", "ppl", ppl, **fields,
-                               tokens=plan.ppl_context * plan.ppl_windows, corpus_sha256=fingerprint)]
+            def measure(model=model, kv=kv, fused=fused, fields=fields, context=context):
+                losses = heldout_losses(model, stream, plan.ppl_tokens, context, kv, fused=fused)
+                return [record("capstone-ppl", "heldout_perplexity", "ppl", perplexity(losses), **fields,
+                               tokens=len(losses) * context, corpus_sha256=fingerprint)]
             out += guarded("capstone-ppl", fields, measure, (ValueError,), "skipped")
     return out
 
@@ -339,7 +340,7 @@ def bench_capstone(model_path: str | Path, draft_path: str | Path | None, heads_
                    llama_bench: Path | None = None, seed: int = 0, progress: Say | None = None) -> list[dict]:
     """Records "capstone" (every rung and peer on the prompts), "capstone-long" (the cache rungs and the
     peers' caches after plan.long_context tokens), "capstone-ppl" (held-out perplexity per weights and
-    cache; not for a --shape) and "capstone-bandwidth" (the roof the shares divide by). A --shape run decodes random
+    cache; not for a --shape) and "roofs" (`decode.roofs`: the bandwidth the shares divide by). A --shape run decodes random
     prompts on random weights of that shape (F16 and Q4_K_M files written to work), with llama-bench as
     llama.cpp's peer when given."""
     gpu = mx.default_device() == mx.gpu
@@ -347,11 +348,8 @@ def bench_capstone(model_path: str | Path, draft_path: str | Path | None, heads_
     say = progress or (lambda msg: None)
     work.mkdir(parents=True, exist_ok=True)
     rows = tuple(sorted({1, *(g + 1 for g in (plan.gamma, plan.mtp_gamma) if g + 1 <= kernels.MAX_ROWS)}))
-    bw = memory_bandwidth(plan.bandwidth_bytes)
-    # its own experiment name: the chapters that draw a machine's roof read "bandwidth" records (bench --shape's),
-    # and MLX's one-pass copy on a CPU is no roof for them
-    out = [record("capstone-bandwidth", "bandwidth", "GB/s", v, variant=kind) for kind, v in bw.items()]
-    roof = max(bw.values())
+    out = roofs(plan.bandwidth_bytes)
+    roof = fastest_bandwidth(out)
     rng = np.random.default_rng(seed)
     if shape:
         args = args_for(shape, max(plan.long_context, plan.prompt_len + plan.gen_tokens) + plan.long_tokens + 8)
@@ -399,19 +397,6 @@ def bench_capstone(model_path: str | Path, draft_path: str | Path | None, heads_
 
 ROW_FIELDS = ("variant", "peer", "weights", "kv", "context", "ladder", "native", "kernels", "fused", "speculate",
               "gamma", "pipeline", "compiled", "techniques")
-
-
-def newest_runs(experiment: str = "capstone", model: str | None = None, results_dir: Path = RESULTS_DIR
-                ) -> dict[str, tuple[str, dict, list[dict]]]:
-    """Per machine label: (file name, machine, records) of its newest results file holding `experiment` records
-    (of `model` only, when given: one machine's shipped-model run and its --shape run are separate runs)."""
-    runs: dict[str, tuple[str, dict, list[dict]]] = {}
-    rows = select(experiment, results_dir, model=model) if model else read_results(experiment, results_dir)
-    for name, machine, r in rows:   # files in name order: newest last
-        if runs.get(machine["label"], (None,))[0] != name:
-            runs[machine["label"]] = (name, machine, [])
-        runs[machine["label"]][2].append(r)
-    return runs
 
 
 def table(records: Sequence[dict]) -> list[dict]:

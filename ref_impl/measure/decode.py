@@ -3,9 +3,10 @@
 `bench_decode` (`python -m ref_impl bench --model ...`) decodes the GGUF model with our decoder, host-
 synchronous and `async_eval`-pipelined, and with the peers (`peers.py`) on the same weights; `bench_shape`
 (`bench --shape`) decodes a random-weight model of a public shape per weight type and sets its speed against
-the bandwidth roof (`memory_bandwidth`: MLX's own copy and read rate; `decode_bytes`: what a step reads).
-`forward_sweep` times one uncached forward against its length (the flat-then-linear curve of chapter 0),
-and `this_machine` measures a CPU's two roofs with numpy, for `roofline.Hardware`.
+the bandwidth roof. Both record the machine's roofs first (`roofs`: the memory probes of `memory_bandwidth`
+and the matmul peak of `matmul_peak`; `bench --roofs` records them alone); `decode_bytes` is what a step
+reads. `forward_sweep` times one uncached forward against its length (the flat-then-linear curve of
+chapter 0), and `this_machine` measures a CPU's two roofs live with numpy, for `roofline.Hardware`.
 
 The discipline is the usual one: a warm-up run first, random prompt tokens from a fixed seed, greedy
 sampling, end-of-sequence ignored, every result evaluated before the clock stops; prefill (TTFT) and decode
@@ -34,7 +35,7 @@ from ref_impl.engine.model import Model, ModelArgs
 from ref_impl.engine.random import random_gguf_model
 from ref_impl.formats import gguf
 from ref_impl.measure.peers import llama_cpp_peer, mlx_lm_peer
-from ref_impl.measure.records import dtype_name, record
+from ref_impl.measure.records import ROOFS, dtype_name, fastest_bandwidth, record
 from ref_impl.platform import blas
 from ref_impl.platform.machine import package_version
 from ref_impl.platform.timing import TokenRun, best, clock, decode_metrics, median, repeat, token_runs, within
@@ -97,8 +98,9 @@ def decode_records(runs: dict[tuple[str, str], list[TokenRun]], prompt_len: int,
 
 
 def bench_decode(path: Path, prompt_len: int = 128, gen_tokens: int = 128, repeats: int = 3,
-                 peers: bool = True, seed: int = 0) -> list[dict]:
-    """Decode records for our decoder (sync and pipelined) and, if asked, mlx-lm and llama.cpp."""
+                 peers: bool = True, seed: int = 0, roof_bytes: int = 1 << 30) -> list[dict]:
+    """Decode records for our decoder (sync and pipelined) and, if asked, mlx-lm and llama.cpp, after this
+    machine's roofs (`roofs` on `roof_bytes`), which their shares of the bandwidth are divided by."""
     if prompt_len < 1 or gen_tokens < 2 or repeats < 1:
         raise ValueError(f"bench needs prompt_len >= 1, gen_tokens >= 2 (a decode speed takes two "
                          f"token times) and repeats >= 1; got {prompt_len}, {gen_tokens}, {repeats}")
@@ -110,6 +112,7 @@ def bench_decode(path: Path, prompt_len: int = 128, gen_tokens: int = 128, repea
         weights = f.tensors.get("blk.0.attn_q.weight", f.tensors["token_embd.weight"]).type.name
         name = f.metadata.get("general.name", path.stem)
         model = load_model(f, mx.float32)
+    machine = roofs(roof_bytes)
     prompt = np.random.default_rng(seed).integers(1, model.args.vocab_size, size=prompt_len).tolist()
     runs = {("ours", "sync"): ours(model, prompt, gen_tokens, repeats, pipeline=False),
             ("ours", "async_eval"): ours(model, prompt, gen_tokens, repeats, pipeline=True)}
@@ -117,25 +120,43 @@ def bench_decode(path: Path, prompt_len: int = 128, gen_tokens: int = 128, repea
         runs[("mlx-lm " + package_version("mlx-lm"), "default")] = mlx_lm_peer(model, prompt, gen_tokens, repeats)
         runs[("llama.cpp (llama-cpp-python " + package_version("llama_cpp_python") + ")", "default")] = \
             llama_cpp_peer(path, prompt, gen_tokens, repeats)
-    return decode_records(runs, prompt_len, model=name, weights=weights, kv=dtype_name(model.norm.weight.dtype),
-                          context=prompt_len + gen_tokens)
+    return machine + decode_records(runs, prompt_len, model=name, weights=weights,
+                                    kv=dtype_name(model.norm.weight.dtype), context=prompt_len + gen_tokens)
 
 
 def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float]:
-    """MLX's own memory bandwidth on the default device, in GB/s: a copy (x + 1: reads and writes every
-    byte once, as STREAM's Copy) and a read (a sum), best of `repeats` (noise only adds time). The roof a
-    decode step's weight reads run against."""
+    """The memory probes, in GB/s, best of `repeats` each (noise only adds time): MLX's copy (x + 1: reads
+    and writes every byte once, as STREAM's Copy) and read (a sum) of one `nbytes` array on the default
+    device, and on the CPU numpy's copy of the same bytes (`np.copyto`, libc's memcpy: MLX's elementwise
+    kernels do not stream a CPU's memory as fast). The fastest of them is the roof a decode step's weight
+    reads run against (`records.fastest_bandwidth`)."""
     x = mx.ones((nbytes // 4,), dtype=mx.float32)
     mx.eval(x)
     out = {}
     for kind, op, moved in (("copy", lambda: x + 1, 2 * nbytes), ("read", lambda: x.sum(), nbytes)):
         out[kind] = moved / best(repeat(lambda: mx.eval(op()), repeats)) / 1e9
+    if mx.default_device() == mx.cpu:
+        src = np.ones(nbytes // 8)
+        dst = np.empty_like(src)
+        out["host copy"] = 2 * nbytes / best(repeat(lambda: np.copyto(dst, src), repeats)) / 1e9
     return out
 
 
-def bandwidth_records(bw: dict[str, float]) -> list[dict]:
-    """memory_bandwidth's result as records (experiment "bandwidth"), the roof the decode records divide by."""
-    return [record("bandwidth", "bandwidth", "GB/s", v, variant=kind) for kind, v in bw.items()]
+def matmul_peak(repeats: int = 5) -> tuple[str, float]:
+    """(dtype, FLOP/s): the best of `repeats` square matmuls through MLX on the default device, float32 n = 2048
+    on the CPU (its BLAS), float16 n = 8192 on a GPU: the compute roof a prefill runs against."""
+    n, dtype = (2048, mx.float32) if mx.default_device() == mx.cpu else (8192, mx.float16)
+    a, b = mx.ones((n, n), dtype=dtype), mx.ones((n, n), dtype=dtype)
+    mx.eval(a, b)
+    return dtype_name(dtype), 2 * n**3 / best(repeat(lambda: mx.eval(a @ b), repeats))
+
+
+def roofs(nbytes: int = 1 << 30, repeats: int = 5) -> list[dict]:
+    """This machine's roofs as "roofs" records: each memory probe (`memory_bandwidth`) and the matmul peak
+    (`matmul_peak`). Every share of a run's speed is divided by its fastest probe (`records.bandwidth`)."""
+    dtype, flops = matmul_peak(repeats)
+    return ([record(ROOFS, "bandwidth", "GB/s", v, variant=kind) for kind, v in memory_bandwidth(nbytes, repeats).items()]
+            + [record(ROOFS, "peak_flops", "FLOP/s", flops, variant="matmul", dtype=dtype)])
 
 
 def decode_bytes(model: Model, context: int) -> int:
@@ -149,12 +170,12 @@ def decode_bytes(model: Model, context: int) -> int:
 
 
 def bench_shape(shape: str, args: ModelArgs, weight_types: Sequence[str], work_dir: Path, prompt_len: int = 128,
-                gen_tokens: int = 128, repeats: int = 3, seed: int = 0) -> list[dict]:
+                gen_tokens: int = 128, repeats: int = 3, seed: int = 0, roof_bytes: int = 1 << 30) -> list[dict]:
     """Decode speed of a random-weight model of a public model's shape (speed does not depend on the
     values), per weight type, native MLX quantization, with the share of measured bandwidth it reaches."""
     work_dir.mkdir(parents=True, exist_ok=True)
-    bw = memory_bandwidth()
-    records = bandwidth_records(bw)
+    records = roofs(roof_bytes)
+    roof = fastest_bandwidth(records)
     prompt = np.random.default_rng(seed).integers(1, args.vocab_size, size=prompt_len).tolist()
     for wt in weight_types:
         model, bits_per_weight = random_gguf_model(shape, args, wt, work_dir, seed)
@@ -167,7 +188,7 @@ def bench_shape(shape: str, args: ModelArgs, weight_types: Sequence[str], work_d
                     record("decode-shape", "bytes_per_token", "B", step_bytes, **fields),
                     record("decode-shape", "tokens_per_s", "tok/s", value, samples=samples, **fields),
                     record("decode-shape", "bandwidth_fraction", "fraction",
-                           step_bytes * value / 1e9 / max(bw.values()), **fields)]
+                           step_bytes * value / 1e9 / roof, **fields)]
         del model
     return records
 

@@ -29,9 +29,9 @@ from ref_impl.engine.generate import decoder, prefill
 from ref_impl.engine.model import Model, ModelArgs
 from ref_impl.engine.random import random_gguf_model
 from ref_impl.kernels import fusedlayer
-from ref_impl.measure.decode import bandwidth_records, decode_bytes, memory_bandwidth, ours
+from ref_impl.measure.decode import decode_bytes, ours, roofs
 from ref_impl.measure.peers import llama_bench_records
-from ref_impl.measure.records import canonical, dtype_name, record, weights_name
+from ref_impl.measure.records import canonical, dtype_name, fastest_bandwidth, record, weights_name
 from ref_impl.platform.timing import clock, decode_metrics, median
 from ref_impl.theory.roofline import matmul_shapes
 
@@ -172,7 +172,7 @@ class KernelRun:
     prompt: list[int]
     gen_tokens: int
     repeats: int
-    copy_gbs: float                                # measured copy bandwidth, the roof
+    roof_gbs: float                                # measured bandwidth (records.fastest_bandwidth), the roof
     quick: bool
     say: Callable[[str], None]
     start: float
@@ -286,11 +286,11 @@ def variant_records(run: KernelRun, model: Model, variant: str, step_bytes: int,
     runs = ours(model, run.prompt, run.gen_tokens, run.repeats, pipeline=True, compiled=compiled)
     tps, samples = decode_metrics(runs, len(run.prompt))["tokens_per_s"]
     n_kernels = kernels.count_kernels(model, compiled=compiled)
-    overhead = (1 / tps - step_bytes / (run.copy_gbs * 1e9)) / n_kernels
+    overhead = (1 / tps - step_bytes / (run.roof_gbs * 1e9)) / n_kernels
     def rec(metric: str, unit: str, value: float, **extra) -> dict:
         return record("decode-kernels", metric, unit, value, variant=variant, **fields, **extra)
     records = [rec("tokens_per_s", "tok/s", tps, samples=samples),
-               rec("bandwidth_fraction", "fraction", step_bytes * tps / 1e9 / run.copy_gbs),
+               rec("bandwidth_fraction", "fraction", step_bytes * tps / 1e9 / run.roof_gbs),
                rec("kernels_per_token", "kernels", n_kernels,
                    note="compute primitives in one decode step's graph, views excluded"),
                rec("overhead_us_per_kernel", "us", overhead * 1e6,
@@ -401,10 +401,10 @@ def bench_kernels(shape: str, args: ModelArgs, weight_types: Sequence[str], work
     work_dir.mkdir(parents=True, exist_ok=True)
     prompt = np.random.default_rng(seed).integers(1, args.vocab_size, size=prompt_len).tolist()
     start = clock()
-    bw = memory_bandwidth()
-    run = KernelRun(shape, prompt, gen_tokens, repeats, bw["copy"], quick, say, start)
-    records = bandwidth_records(bw)
-    say(f"copy bandwidth {bw['copy']:.0f} GB/s")
+    records = roofs()
+    roof = fastest_bandwidth(records)
+    run = KernelRun(shape, prompt, gen_tokens, repeats, roof, quick, say, start)
+    say(f"measured bandwidth {roof:.0f} GB/s")
     if not quick:
         records += gemv_records(sorted({(n, k) for k, n in matmul_shapes(args.shape(shape))}), shape, seed, say)
     run.log("sweep done")

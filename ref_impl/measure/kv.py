@@ -10,7 +10,8 @@ The measurements behind the KV-cache chapter's choice of scheme (`kvquant.CACHES
 * `per_channel_rounding_error`: the RMS error per channel of symmetric rounding with one scale per
   token (the max over channels: an outlier channel sets a coarse step for all the others) versus
   one scale per channel (over tokens: each channel gets its own step). This is KIVI's argument.
-* `cache_perplexity`: held-out perplexity when attention reads the history from a quantized cache.
+* held-out perplexity when attention reads the history from a quantized cache (`evaluate.heldout_losses`
+  with a scheme: the one held-out evaluation of the course, through the cache).
 * `memory_table`: analytic KV bytes for public model shapes at long contexts, per scheme.
 * `needle_retrieval`: does the model still copy an identifier defined ~440 tokens earlier?
   (`needle_trials` builds the prompts; the module docstring of that section says how.)
@@ -43,7 +44,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 
 from ref_impl.engine import kvquant
@@ -60,6 +60,7 @@ from ref_impl.theory import roofline
 from ref_impl.theory.shapes import ModelShape
 from ref_impl.theory.shapes import shape as named_shape
 from ref_impl.training.corpus import read_corpus, token_stream
+from ref_impl.training.evaluate import heldout_losses, perplexity
 from ref_impl.training.models import config_for
 
 
@@ -117,40 +118,6 @@ def per_channel_rounding_error(keys, bits: int) -> dict[str, np.ndarray]:
     axes = tuple(range(x.ndim - 1))
     return {name: np.sqrt(np.array(mx.mean((q - x) ** 2, axis=axes)))
             for name, q in (("per_token", per_token), ("per_channel", per_channel))}
-
-
-def window_starts(stream: np.ndarray, context: int, windows: int) -> np.ndarray:
-    """Start of each window: `evaluate.mean_loss(..., max_tokens=windows * context, spread=True)`'s."""
-    n = min(len(stream) - 1, windows * context) // context
-    if n == 0:
-        raise ValueError(f"the stream ({len(stream)} tokens) is shorter than one window ({context})")
-    return np.linspace(0, (len(stream) - 1) // context - 1, n).astype(np.int64) * context
-
-
-def cache_perplexity(model: Model, stream: np.ndarray, scheme: str, context: int, windows: int,
-                     chunk: int = 64, batch: int = 16, **params) -> float:
-    """Held-out perplexity exp(mean NLL) with the decoder reading its history from a `scheme` cache.
-
-    The windows are `evaluate.mean_loss`'s (spread=True, max_tokens = windows * context), each fed
-    through `model(tokens, cache)` in chunks of `chunk` tokens: chunk k attends to the cache's
-    (dequantized) copy of chunks 0..k, its own keys included, as a decode step reads its own
-    token's keys from the cache. `chunk=1` is token-by-token decoding; larger chunks are a chunked
-    prefill, faster and identical for the per-token schemes (sym*, affine*), while KIVI's float
-    window and OutlierKVCache's calibration (on the first chunk) see chunk-sized steps. The float
-    baseline (scheme "float") goes the same way through the static KVCache, so the difference
-    between two schemes is the quantization alone. params go to the scheme (bits, group, ...).
-    """
-    starts = window_starts(stream, context, windows)
-    total = 0.0
-    for i in range(0, len(starts), batch):
-        rows = stream[starts[i:i + batch, None] + np.arange(context + 1)]
-        x, y = mx.array(rows[:, :-1]), mx.array(rows[:, 1:])
-        caches = model.make_cache(context, len(rows), scheme, **params)
-        for s in range(0, context, chunk):
-            logits = model(x[:, s:s + chunk], caches)
-            loss = nn.losses.cross_entropy(logits.astype(mx.float32), y[:, s:s + chunk], reduction="sum")
-            total += loss.item()
-    return float(np.exp(total / (len(starts) * context)))
 
 
 # A 30B-class model for C05's "35B" (Qwen3-30B-A3B: 48 layers, 4 KV heads of 128; config.json at
@@ -382,10 +349,10 @@ SPEED_VARIANTS = ((FLOAT, False), ("sym8", False), ("affine8-g64", False), ("aff
 
 @dataclass
 class KVPlan:
-    """Sizes for `bench_kv`; `for_device` picks them for a GPU (sized for ~4 minutes on an H200), the CPU
-    (sized for ~6 minutes on 2 cores, ~2 of them perplexity) or a quick check."""
-    ppl_context: int = 512                 # the shipped model's whole context
-    ppl_windows: int = 128                 # held-out windows per scheme (the same windows for every scheme)
+    """Sizes for `bench_kv`; `for_device` picks them for a GPU or the CPU, or a quick check. The perplexity
+    covers the whole held-out text per scheme (about 4 minutes a scheme on 2 CPU cores)."""
+    ppl_context: int = 0                   # window length: 0, the model's whole context
+    ppl_tokens: int = 0                    # held-out tokens per scheme (0: all of them; the same for every scheme)
     needle_context: int = 512
     needle_trials: int = 128
     needle_distances: tuple[int, ...] = (128, 440)
@@ -399,11 +366,11 @@ class KVPlan:
     @classmethod
     def for_device(cls, gpu: bool, quick: bool = False) -> KVPlan:
         if quick:   # seconds on a CPU: checks that everything runs, measures nothing well
-            return cls(ppl_context=64, ppl_windows=1, needle_trials=2, needle_distances=(128,), shapes=("stdlib-10m",),
+            return cls(ppl_context=64, ppl_tokens=64, needle_trials=2, needle_distances=(128,), shapes=("stdlib-10m",),
                        contexts=(64, 256), speed_tokens=3, speed_repeats=1, speed_budget_s=10.0)
         if gpu:
             return cls()
-        return cls(ppl_windows=32, needle_trials=32, needle_distances=(440,), shapes=("stdlib-10m",),
+        return cls(needle_trials=32, needle_distances=(440,), shapes=("stdlib-10m",),
                    contexts=(256, 1024, 4096, 16384), speed_tokens=16, speed_repeats=2, speed_budget_s=150.0)
 
 
@@ -453,16 +420,17 @@ def _quality_records(model: Model, tokenizer: Tokenizer, name: str, plan: KVPlan
     dt = dtype_name(model.norm.weight.dtype)                        # f32 on the CPU, f16 on a GPU
     schemes = (FLOAT, *kvquant.CACHES)
     corpus, fingerprint = read_corpus(config_for("stdlib-10m"))    # its held-out files: never trained on
-    say(f"kv-ppl: {len(schemes)} schemes x {plan.ppl_windows} windows of {plan.ppl_context}")
+    context = plan.ppl_context or model.args.max_position_embeddings
+    say(f"kv-ppl: {len(schemes)} schemes, {plan.ppl_tokens or 'every'} held-out tokens in windows of {context}")
     stream = token_stream(tokenizer, corpus["heldout"])
-    ppl = {s: cache_perplexity(model, stream, s, plan.ppl_context, plan.ppl_windows) for s in schemes}
+    losses = {s: heldout_losses(model, stream, plan.ppl_tokens, context, s) for s in schemes}
+    ppl = {s: (perplexity(v), len(v) * context) for s, v in losses.items()}
     rec = []
-    for s, p in ppl.items():
-        fields = {"model": name, "kv": kv_name(s, dt), "context": plan.ppl_context}
-        extra = {"windows": plan.ppl_windows, "tokens": plan.ppl_windows * plan.ppl_context,
-                 "corpus_sha256": fingerprint, "dtype": dt}
+    for s, (p, tokens) in ppl.items():
+        fields = {"model": name, "kv": kv_name(s, dt), "context": context}
+        extra = {"windows": tokens // context, "tokens": tokens, "corpus_sha256": fingerprint, "dtype": dt}
         rec += [record("kv-ppl", "heldout_perplexity", "ppl", p, **fields, **extra),
-                record("kv-ppl", "ppl_delta", "ppl", p - ppl[FLOAT], **fields, **extra)]
+                record("kv-ppl", "ppl_delta", "ppl", p - ppl[FLOAT][0], **fields, **extra)]
     for distance in plan.needle_distances:
         say(f"kv-needle: {plan.needle_trials} trials, needle {distance} tokens back")
         trials = needle_trials(tokenizer, corpus["heldout"], plan.needle_trials, plan.needle_context, distance, seed)
@@ -513,8 +481,8 @@ def _shape_records(model: Model, shape: str, plan: KVPlan, seed: int) -> list[di
 
 def bench_kv(model_path: str | Path, plan: KVPlan | None = None, shapes: Sequence[str] | None = None,
              seed: int = 0, progress=None) -> list[dict]:
-    """Records "kv-ppl" (held-out perplexity and its delta vs float per scheme: the GGUF model at
-    plan.ppl_context, on the stdlib-10m preset's held-out files), "kv-needle" (retrieval rate and
+    """Records "kv-ppl" (held-out perplexity and its delta vs float per scheme: the GGUF model on the stdlib-10m
+    preset's held-out files, `evaluate.heldout_losses`), "kv-needle" (retrieval rate and
     log-prob per scheme and distance, plus the float cache on the control prompts), "kv-bytes" (bytes
     per token per scheme and model shape, from nbytes) and "kv-speed" (tok/s per shape, scheme,
     context and attention path, its ratio to float, and the crossover context). `shapes` overrides

@@ -12,7 +12,6 @@ See chapter: k-quants
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,11 +26,10 @@ from ref_impl.formats.quantize import MATRIX_GROUPS, quantize_file, tensor_kind
 from ref_impl.measure.decode import ours
 from ref_impl.measure.peers import llama_cpp_peer
 from ref_impl.measure.records import dtype_name, record
-from ref_impl.platform import blas
 from ref_impl.platform.machine import package_version
 from ref_impl.platform.timing import decode_metrics
 from ref_impl.training.corpus import heldout_stream
-from ref_impl.training.evaluate import mean_loss, window_losses
+from ref_impl.training.evaluate import heldout_losses, perplexity
 
 QUANT_TYPES = ("F32", "F16", "Q8_0", "Q6_K", "Q4_K_M", "Q4_K", "Q4_0")
 
@@ -53,19 +51,19 @@ def speed_record(runs: list, prompt_len: int, **fields) -> dict:
     return record("quant", "tokens_per_s", "tok/s", value, samples=samples, **fields)
 
 
-def bench_quant(path: Path, work_dir: Path, file_types: Sequence[str] = QUANT_TYPES, ppl_tokens: int = 16384,
+def bench_quant(path: Path, work_dir: Path, file_types: Sequence[str] = QUANT_TYPES, ppl_tokens: int | None = None,
                 prompt_len: int = 128, gen_tokens: int = 128, repeats: int = 3, peers: bool = True,
                 seed: int = 0) -> list[dict]:
     """Per llama.cpp file type of a float model, quantized by us into work_dir: tensor bytes, bits per
-    weight, held-out perplexity (ppl_tokens tokens of the files the model never trained on, the
-    same tokens for every type; 0 skips it) and decode speed with the weights MLX-quantized
+    weight, held-out perplexity (`evaluate.heldout_losses` on the files the model never trained on: all of
+    them (ppl_tokens None), or a sample of ppl_tokens tokens, the same for every type; 0 skips it) and decode speed with the weights MLX-quantized
     ("native") and expanded to floats ("dequantized"), and llama.cpp on the same file."""
     work_dir.mkdir(parents=True, exist_ok=True)
     with gguf.read(path) as f:
         tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
         name = f.metadata.get("general.name", path.stem)
         context = ModelArgs.from_gguf(f.metadata, f.tensors).max_position_embeddings
-    stream, fingerprint = heldout_stream(tokenizer) if ppl_tokens else (None, None)
+    stream, fingerprint = heldout_stream(tokenizer) if ppl_tokens != 0 else (None, None)
     prompt = np.random.default_rng(seed).integers(1, tokenizer.vocab_size, size=prompt_len).tolist()
     records = []
     for ft in file_types:
@@ -73,11 +71,11 @@ def bench_quant(path: Path, work_dir: Path, file_types: Sequence[str] = QUANT_TY
         qpath = work_dir / f"{path.stem}-{ft}.gguf"
         records += file_records(qpath, quantize_file(path, qpath, ft), kv="f32", **fields)
         with gguf.read(qpath) as f:
-            if ppl_tokens:
-                with blas.one_blas_thread():   # the file's exact weights, in float32
-                    loss = mean_loss(load_model(f, mx.float32), stream, context, ppl_tokens, spread=True)
-                records.append(record("quant", "heldout_perplexity", "ppl", math.exp(loss), kv="f32", **fields,
-                                      tokens=ppl_tokens // context * context, corpus_sha256=fingerprint))
+            if stream is not None:
+                losses = heldout_losses(load_model(f, mx.float32), stream, ppl_tokens or 0)   # the file's own weights
+                records.append(record("quant", "heldout_perplexity", "ppl", perplexity(losses), kv="f32",
+                                      **{**fields, "context": context}, tokens=len(losses) * context,
+                                      corpus_sha256=fingerprint))
             models: dict[str, Model] = {"dequantized": load_model(f, None),
                                         "native": load_model(f, None, quantized=True)}
         for variant, model in models.items():
@@ -92,10 +90,11 @@ def bench_quant(path: Path, work_dir: Path, file_types: Sequence[str] = QUANT_TY
     return records
 
 
-def bench_quant_groups(path: Path, type_name: str = "Q4_K", ppl_tokens: int = 16384) -> list[dict]:
+def bench_quant_groups(path: Path, type_name: str = "Q4_K", ppl_tokens: int | None = None) -> list[dict]:
     """Held-out perplexity of the float model at `path` with one group of its matrices rounded through
     `type_name` (quantize.MATRIX_GROUPS, then every matrix; the rest float32), and each group's float32
-    bytes: which layers mind the rounding, per weight. The same tokens for every group."""
+    bytes: which layers mind the rounding, per weight. The same tokens for every group: all of the held-out
+    text (ppl_tokens None) or a sample."""
     with gguf.read(path) as f:
         tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
         name = f.metadata.get("general.name", path.stem)
@@ -106,10 +105,9 @@ def bench_quant_groups(path: Path, type_name: str = "Q4_K", ppl_tokens: int = 16
     records = []
     for group, kinds in groups.items():
         model = simulate(path, type_name, lambda n: tensor_kind(n) in kinds)
-        with blas.one_blas_thread():
-            losses = window_losses(model, stream, context, ppl_tokens, spread=True)
+        losses = heldout_losses(model, stream, ppl_tokens or 0)
         fields = {"model": name, "weights": type_name, "kv": "f32", "context": context, "variant": group}
-        records += [record("quant-groups", "heldout_perplexity", "ppl", math.exp(losses.mean()), **fields,
+        records += [record("quant-groups", "heldout_perplexity", "ppl", perplexity(losses), **fields,
                            tokens=len(losses) * context, corpus_sha256=fingerprint),
                     # per window, the same windows for every group
                     record("quant-groups", "window_loss", "nats", losses.mean(), samples=losses.tolist(), **fields),

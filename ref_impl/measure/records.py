@@ -1,15 +1,27 @@
-"""Results records: the one builder, the one reader and its selector, and the results file they live in.
+"""Results records: the one builder, the one reader, the one selector of the runs every page shows, and the
+one definition of the roofs their shares are divided by.
 
 Every measured number the book shows is one record {experiment, model, weights, kv, context, variant,
 metric, unit, value, samples, peer, ...extra} (`record`), written once per machine and run into
 results/<label>-<date>.json {schema, date, git, command, machine, records} (`write_results`; DESIGN.md,
-"Measured results"), and read back by `read_results` / `select`.
+"Measured results"). A file read back is a `Run`: which machine, when, at which commit, by which command.
+
+Which run a page shows is chosen in one place. `reference(experiment, label)` is the run every chapter
+uses for one experiment on one reference machine: its newest complete run (`complete`: no value a NaN). `references` gives it for every machine that recorded the experiment, and
+`runs` every run, oldest first, for the pages that set runs side by side. A page that shows a number from
+any other run says which in its caption (`Run.caption`).
+
+One definition per quantity. The bandwidth a share of a run is divided by is `bandwidth(run)`: the fastest
+of the memory probes recorded in that run (`decode.roofs`: MLX's copy and read of one array, and on a CPU
+numpy's copy), or, where the run recorded none, in its machine's reference "roofs" run. `peak_flops(run)` is
+the same for the machine's matmul peak.
 
 One vocabulary for formats. A float cache or float weights are named by their dtype, short: "f32",
 "f16", "bf16" in `kv` (and `dtype`), "F32", "F16", "BF16" in `weights` (GGML's type names). Older files
 wrote the float16 cache as "float16" or, in the KV-cache suite, as the scheme name "float" with its dtype
-beside it, and a few weights as "f16": the reader maps those to today's names as it reads (`canonical`),
-so every reader sees one vocabulary while the files on disk, and their values, stay as they were.
+beside it, a few weights as "f16", and the memory probes under the experiments "bandwidth" and
+"capstone-bandwidth": the reader maps those to today's names as it reads (`canonical`), so every reader sees
+one vocabulary while the files on disk, and their values, stay as they were.
 
 See chapter: how-to-read
 """
@@ -19,6 +31,8 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +42,9 @@ from ref_impl.platform.machine import git_commit, machine_info
 
 SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}   # a dtype's name -> the records' name
 FLOAT_KV = {"float", *SHORT, *SHORT.values()}                      # every name a float cache was recorded under
+ROOFS = "roofs"                                                    # the memory probes' and matmul peak's experiment
+OLD_ROOFS = ("bandwidth", "capstone-bandwidth")                    # its names in older files
+MONTHS = "Jan Feb Mar Apr May Jun Jul Aug Sep Oct Nov Dec".split()
 
 
 def dtype_name(dtype) -> str:
@@ -65,11 +82,13 @@ def record(experiment: str | None, metric: str, unit: str | None, value, *, mode
 
 
 def canonical(r: dict) -> dict:
-    """The record in today's vocabulary (a new dict; the argument is not changed): dtype names short
-    ("float16" -> "f16"); a float cache named by its dtype (the KV-cache suite's scheme "float", and
-    bench --quant's "f32", which its float16 GPU runs wrote beside dtype "float16"); float weights
-    upper case ("f16" -> "F16")."""
+    """The record in today's vocabulary (a new dict; the argument is not changed): the memory probes under
+    ROOFS; dtype names short ("float16" -> "f16"); a float cache named by its dtype (the KV-cache suite's
+    scheme "float", and bench --quant's "f32", which its float16 GPU runs wrote beside dtype "float16");
+    float weights upper case ("f16" -> "F16")."""
     out = dict(r)
+    if out.get("experiment") in OLD_ROOFS:
+        out["experiment"] = ROOFS
     if out.get("dtype") in SHORT:
         out["dtype"] = SHORT[out["dtype"]]
     if out.get("kv") in FLOAT_KV:                    # a float cache holds the model's dtype, where recorded
@@ -81,59 +100,147 @@ def canonical(r: dict) -> dict:
     return out
 
 
-def read_results(experiment: str, results_dir: Path = RESULTS_DIR) -> list[tuple[str, dict, dict]]:
-    """(file name, machine, record) of every record of one experiment in results/*.json, peers included,
-    files in name order (per machine, oldest first); each record in today's vocabulary (`canonical`)."""
-    out = []
-    for path in sorted(Path(results_dir).glob("*.json")):
-        stat = path.stat()
-        data = _parsed(str(path), stat.st_mtime_ns, stat.st_size)
-        out += [(path.name, dict(data["machine"]), canonical(r)) for r in data["records"]
-                if r["experiment"] == experiment]
-    return out
+# ---- runs: results files read back ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Run:
+    """One results file as a run: its machine, date, commit and command, and records (all of the file's,
+    or those a selector asked for), each in today's vocabulary."""
+    file: str                   # its name in results/
+    machine: dict
+    date: str                   # ISO 8601, UTC
+    git: str                    # the commit of the code that measured
+    command: str
+    records: tuple[dict, ...]
+
+    @property
+    def label(self) -> str:
+        return self.machine["label"]
+
+    @property
+    def day(self) -> str:
+        """The run's date as a reader says it: '2 Dec 2026'."""
+        d = datetime.date.fromisoformat(self.date[:10])
+        return f"{d.day} {MONTHS[d.month - 1]} {d.year}"
+
+    @property
+    def caption(self) -> str:
+        """The line a figure or table of this run's numbers carries: machine, date, commit and file."""
+        return f"{self.label}, {self.day}, commit {self.git} (results/{self.file})"
+
+    def select(self, experiment: str | None = None, **where) -> list[dict]:
+        """The run's records of `experiment` (any, if None) whose fields all equal `where`'s values."""
+        return [r for r in self.records if experiment in (None, r["experiment"])
+                and all(r.get(k) == v for k, v in where.items())]
+
+    def value(self, experiment: str, metric: str, **where) -> float:
+        """The value of the one record of `experiment` and `metric` matching `where`; an error names the run
+        when there is none or more than one."""
+        found = self.select(experiment, metric=metric, **where)
+        if len(found) != 1:
+            raise LookupError(f"results/{self.file}: {len(found)} {experiment} records of {metric} with {where}, "
+                              f"not one")
+        return found[0]["value"]
 
 
 @functools.lru_cache(maxsize=1024)
-def _parsed(path: str, mtime_ns: int, size: int) -> dict:
-    """One results file, parsed once per version of it (the ledger reads every file for every claim)."""
-    return json.loads(Path(path).read_text())
+def _parsed(path: str, mtime_ns: int, size: int) -> Run:
+    """One results file, parsed and put in today's vocabulary once per version of it (the ledger reads
+    every file for every claim)."""
+    data = json.loads(Path(path).read_text())
+    return Run(Path(path).name, dict(data["machine"]), data.get("date", ""), data.get("git", "unknown"),
+               data.get("command", ""), tuple(canonical(r) for r in data["records"]))
+
+
+def read_run(path: Path) -> Run:
+    """Every record of one results file, as a Run."""
+    stat = Path(path).stat()
+    return _parsed(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+def all_runs(results_dir: Path = RESULTS_DIR) -> list[Run]:
+    """Every results file in results_dir, oldest first (by the date it records, then by name)."""
+    return sorted((read_run(p) for p in Path(results_dir).glob("*.json")), key=lambda r: (r.date, r.file))
+
+
+def runs(experiment: str, results_dir: Path = RESULTS_DIR, **where) -> list[Run]:
+    """Every run holding records of `experiment` that match `where` (e.g. model="stdlib-10m", peer=None),
+    oldest first; each Run holds those records only."""
+    out = []
+    for run in all_runs(results_dir):
+        found = run.select(experiment, **where)
+        if found:
+            out.append(Run(run.file, run.machine, run.date, run.git, run.command, tuple(found)))
+    return out
+
+
+def complete(run: Run) -> bool:
+    """Whether every record of a run holds a measurement: a finite number, or None (a recorded skip, or an
+    answer of "none", such as a crossover no measured context reached). A NaN is a measurement that failed
+    unseen (two kernel runs before the bench stopped writing them, a perplexity of a broken cache)."""
+    return not any(isinstance(r["value"], float) and not math.isfinite(r["value"]) for r in run.records)
+
+
+def references(experiment: str, results_dir: Path = RESULTS_DIR, **where) -> dict[str, Run]:
+    """Per machine label, the run every chapter uses for `experiment` (records matching `where`): its newest
+    complete run."""
+    out: dict[str, Run] = {}
+    for run in runs(experiment, results_dir, **where):     # oldest first: a newer complete run replaces
+        if complete(run):
+            out[run.label] = run
+    return out
+
+
+def reference(experiment: str, label: str, results_dir: Path = RESULTS_DIR, **where) -> Run | None:
+    """The run every chapter uses for `experiment` on the machine `label` (records matching `where`), or None
+    when that machine has none."""
+    return references(experiment, results_dir, **where).get(label)
+
+
+def read_results(experiment: str, results_dir: Path = RESULTS_DIR) -> list[tuple[str, dict, dict]]:
+    """(file name, machine, record) of every record of one experiment, peers included, oldest run first;
+    each record in today's vocabulary (`canonical`)."""
+    return [(run.file, run.machine, r) for run in runs(experiment, results_dir) for r in run.records]
 
 
 def select(experiment: str, results_dir: Path = RESULTS_DIR, **where) -> list[tuple[str, dict, dict]]:
     """`read_results` rows whose record has every field of `where` equal to the given value, e.g.
     select("link", variant="host copy (numpy)", metric="copy_bandwidth")."""
-    return [(f, m, r) for f, m, r in read_results(experiment, results_dir)
-            if all(r.get(k) == v for k, v in where.items())]
+    return [(run.file, run.machine, r) for run in runs(experiment, results_dir, **where) for r in run.records]
 
 
-def host_copy_recorded(results_dir: Path = RESULTS_DIR) -> dict[str, dict]:
-    """Recorded host copy rates (`bench --link`, variant "host copy (numpy)") per machine label, from the
-    latest results file of each machine: {label: {"machine": {...}, "file": name, "sizes": [bytes],
-    "gbs": [GB/s]}}, sizes ascending. The recorded view the interconnect chapter argues from."""
-    out: dict[str, dict] = {}
-    for name, machine, r in select("link", results_dir, variant="host copy (numpy)", metric="copy_bandwidth"):
-        entry = out.get(machine["label"])              # files in name order: a later file replaces an earlier
-        if entry is None or entry["file"] != name:
-            entry = out[machine["label"]] = {"machine": machine, "file": name, "points": {}}
-        entry["points"][r["bytes"]] = r["value"]
-    for entry in out.values():
-        points = entry.pop("points")
-        entry["sizes"], entry["gbs"] = sorted(points), [points[b] for b in sorted(points)]
-    return out
+# ---- the roofs: one definition ---------------------------------------------------------------------------
+
+def roofs_run(run: Run, results_dir: Path = RESULTS_DIR) -> Run:
+    """The run whose roofs a share of `run` is divided by: the run itself where it measured them, else its
+    machine's reference roofs run. LookupError when the machine recorded none."""
+    own = read_run(Path(results_dir) / run.file).select(ROOFS) if (Path(results_dir) / run.file).is_file() else []
+    if own:
+        return Run(run.file, run.machine, run.date, run.git, run.command, tuple(own))
+    ref = reference(ROOFS, run.label, results_dir)
+    if ref is None:
+        raise LookupError(f"no memory probe recorded on {run.label}: run `python -m ref_impl bench --roofs` there")
+    return ref
 
 
-def recorded_copy_gbs(label: str, cpu: str, results_dir: Path = RESULTS_DIR) -> tuple[float, str]:
-    """(GB/s, file): the newest recorded memory bandwidth of one machine (its label and CPU), the roof
-    the chapters draw for it: bench's MLX copy ("bandwidth", variant copy), else twice the 256 MiB
-    numpy host copy of its latest `bench --link` file (`host_copy_recorded`; that copy counts each
-    byte once, a copy reads it and writes it). LookupError when the machine has neither."""
-    for file, m, r in reversed(select("bandwidth", results_dir, variant="copy")):
-        if (m["label"], m["cpu"]) == (label, cpu):
-            return r["value"], file
-    host = host_copy_recorded(results_dir).get(label)
-    if host and host["machine"]["cpu"] == cpu and 256 << 20 in host["sizes"]:
-        return 2 * host["gbs"][host["sizes"].index(256 << 20)], host["file"]
-    raise LookupError(f"no recorded copy bandwidth for {label} ({cpu}) in {results_dir}")
+def fastest_bandwidth(records: list[dict] | tuple[dict, ...]) -> float:
+    """GB/s: the fastest memory probe among "roofs" records, the measured bandwidth a share is divided by."""
+    return max(r["value"] for r in records if r["experiment"] == ROOFS and r["metric"] == "bandwidth")
+
+
+def bandwidth(run: Run, results_dir: Path = RESULTS_DIR) -> tuple[float, Run]:
+    """(GB/s, the run it was measured in): the measured bandwidth every share of `run`'s speed is divided by,
+    the fastest of the memory probes of its roofs run (`roofs_run`)."""
+    source = roofs_run(run, results_dir)
+    return fastest_bandwidth(source.records), source
+
+
+def peak_flops(run: Run, results_dir: Path = RESULTS_DIR) -> tuple[float, Run] | None:
+    """(FLOP/s, the run it was measured in): the matmul peak of `run`'s roofs run, or None where that run
+    measured bandwidth only (files before the peak was recorded)."""
+    source = roofs_run(run, results_dir)
+    found = source.select(ROOFS, metric="peak_flops")
+    return (max(r["value"] for r in found), source) if found else None
 
 
 def write_results(records: list[dict], out_dir: Path, command: str, label: str | None = None) -> Path:

@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from ref_impl.engine.random import args_for
 from ref_impl.measure import capstone, kv, latency, link, loads, pipeline, spec, unified
-from ref_impl.measure.decode import bench_decode, bench_shape
+from ref_impl.measure.decode import bench_decode, bench_shape, roofs
 from ref_impl.measure.kernels import bench_kernels
 from ref_impl.measure.quant import bench_quant, bench_quant_groups
 
@@ -59,8 +59,9 @@ def run_capstone(a: argparse.Namespace, work: Path, say: Say) -> list[dict]:
 
 
 def run_quant_groups(a: argparse.Namespace, work: Path, say: Say) -> list[dict]:
-    if a.ppl_tokens <= 0:
-        raise ValueError("bench --quant-groups measures perplexity: --ppl-tokens must be positive")
+    if a.ppl_tokens is not None and a.ppl_tokens <= 0:
+        raise ValueError("bench --quant-groups measures perplexity: --ppl-tokens must be positive (or left out: "
+                         "every held-out token)")
     return bench_quant_groups(Path(a.model), "Q4_K", a.ppl_tokens)
 
 
@@ -90,7 +91,7 @@ def show_summary(records: list[dict]) -> list[str]:
     out = []
     for r in records:
         if r["metric"] in ("tokens_per_s", "ttft_ms", "heldout_perplexity", "bits_per_weight", "bandwidth",
-                           "bandwidth_fraction"):
+                           "bandwidth_fraction", "peak_flops"):
             who = r["peer"] or "ours" + (f" ({r['variant']})" if r.get("variant") else "")
             out.append(f"  {r['weights'] or '':<7} {who:<44} {r['metric']:<18} {r['value']:10.3f} {r['unit']}")
     return out
@@ -182,9 +183,10 @@ SUITES: dict[str, Suite] = {
                                                     a.gen_tokens, a.repeats, peers=not a.no_peers), show_summary),
     "kernels": Suite(run_kernels, show_kernels),
     "shape": Suite(lambda a, work, say: bench_shape(a.shape, args_for(a.shape), a.weights, work, a.prompt_len,
-                                                    a.gen_tokens, a.repeats), show_summary),
+                                                    a.gen_tokens, a.repeats, roof_bytes=a.roof_bytes), show_summary),
+    "roofs": Suite(lambda a, work, say: roofs(a.roof_bytes), show_summary),
     "decode": Suite(lambda a, work, say: bench_decode(Path(a.model), a.prompt_len, a.gen_tokens, a.repeats,
-                                                      peers=not a.no_peers), show_summary),
+                                                      peers=not a.no_peers, roof_bytes=a.roof_bytes), show_summary),
 }
 
 
