@@ -175,6 +175,57 @@ def test_viz_titles_wrap_as_html_and_figures_keep_the_rules(monkeypatch):
     assert "'one' and 'two' share" in found and "right of the plot" in found and "yaxis is a log axis without full tick labels" in found
 
 
+def page_labels() -> set[str]:
+    """Every MyST label `(name)=` a page of the book defines."""
+    texts = [p.read_text() for p in (ROOT / "book").rglob("*.md")]
+    texts += ["".join(c["source"]) for p in notebooks() for c in json.loads(p.read_text())["cells"]
+              if c["cell_type"] == "markdown"]
+    return {m for t in texts for m in re.findall(r"^\(([\w-]+)\)=[ \t]*$", t, re.M)}
+
+
+def test_every_see_chapter_pointer_names_a_page_label():
+    """A module's `See chapter: <label>` sends the reader to a page: the label must exist."""
+    labels = page_labels()
+    pointers = [(p.relative_to(ROOT), m) for p in sorted((ROOT / "ref_impl").rglob("*.py"))
+                for m in re.findall(r"See chapter: ([\w-]+)", p.read_text())]
+    assert len(pointers) > 60 and {"intro-roofline", "kquants", "reference-machines"} <= labels
+    missing = [f"{path}: {label}" for path, label in pointers if label not in labels]
+    assert not missing, f"pointers to no page label (labels: {sorted(labels)}): {missing}"
+
+
+def test_the_number_scanner_catches_two_values_of_one_quantity_and_accepts_a_named_run():
+    """tests/book_numbers on made-up pages: the check below can fail."""
+    from tests.book_numbers import disagreements, statements
+
+    table = {("measured bandwidth", "h200"): (3068.2, "h200-20261202-063646.json"),
+             ("held-out perplexity", "cpu-2core"): (6.2663, "cpu-2core-20261205-000000.json")}
+    same = "<main><p>On the H200 the measured bandwidth is 3,068 GB/s.</p></main>"
+    other = "<main><p>The H200's measured bandwidth: 3,486 GB/s.</p></main>"
+    named = ("<main><div class='cell_output'><pre>H200, measured bandwidth 3,486 GB/s\n"
+             "h200, 29 Nov 2026, commit 6f02605 (results/h200-20261129-122549.json)</pre></div></main>")
+    ppl = "<main><p>The shipped model's held-out perplexity on the 2-core CPU is 7.4056.</p></main>"
+    sample = "<main><p>The shipped model's held-out perplexity on a sample of 16,384 tokens (2-core CPU): 7.4056.</p></main>"
+    found = {name: statements(name, page) for name, page in
+             (("same", same), ("other", other), ("named", named), ("ppl", ppl), ("sample", sample))}
+    assert [s.value for s in found["same"]] == [3068.0] and [s.decimals for s in found["ppl"]] == [4]
+    assert found["sample"] == []                                   # another quantity, labelled as such
+    bad = disagreements([s for v in found.values() for s in v], table)
+    assert len(bad) == 2 and bad[0].startswith("other: measured bandwidth on h200") and bad[1].startswith("ppl:")
+
+
+def test_one_value_per_reference_quantity_across_pages(built_book):
+    """Item 6 of the reference table's promise: a quantity of the table (records.reference_quantities) stated on
+    any page has the table's value, unless a caption beside it names the other run it comes from."""
+    from ref_impl.measure import records
+    from tests.book_numbers import disagreements, statements
+
+    table = {(q.name, q.label): (q.value, q.run.file) for q in records.reference_quantities()}
+    found = [s for page in toc_pages() for s in statements(page, (built_book / f"{page}.html").read_text())]
+    assert len({s.page for s in found}) >= 3 and {s.quantity for s in found} >= {"measured bandwidth"}
+    bad = disagreements(found, table)
+    assert not bad, "\n".join(bad)
+
+
 @pytest.fixture(scope="module")
 def built_book() -> Path:
     jb = Path(sys.executable).parent / "jupyter-book"

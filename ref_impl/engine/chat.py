@@ -21,7 +21,7 @@ The rendered text holds the markers as text; `encode` turns each marker into its
 already start with it, so a template that writes BOS does not get a second one.
 
 References: Hugging Face "Chat templates" docs; Jinja2 "Sandbox" docs; llama.cpp common/chat.cpp.
-See chapter: intro
+See chapter: your-model
 """
 
 from __future__ import annotations

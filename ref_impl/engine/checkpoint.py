@@ -14,7 +14,7 @@ file the course's training ships and llama.cpp loads; formats/quantize.py turns 
 llama.cpp file types.
 
 References: llama.cpp src/llama-arch.cpp (LLM_TENSOR_NAMES); mlx-lm gguf.py `translate_weight_names`.
-See chapter: intro
+See chapter: gguf
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def save(model: Model, tokenizer: Tokenizer, path: str | Path, metadata: dict[st
 def simulate(path: str | os.PathLike, type_name: str, select: Callable[[str], bool] = lambda name: True) -> Model:
     """The float model at `path` in float32, with the matrices whose GGUF names `select` accepts replaced
     by their round trip through `type_name` (quantize.roundtrip): what one format does to chosen layers,
-    with every other weight exact. See chapter: super-blocks"""
+    with every other weight exact. See chapter: kquants"""
     with gguf.read(path) as f:
         model = load_model(f, mx.float32)
         chosen = [n for n, t in f.tensors.items() if len(t.shape) == 2 and select(n)]

@@ -22,7 +22,7 @@ as the course's model: matrices are stored (out, in). Llama 3's frequency scalin
 References: llama.cpp src/models/llama.cpp, qwen2.cpp, qwen3.cpp (the graphs), src/llama-model.cpp
 (`llama_model_rope_type`, the hyper-parameter keys).
 
-See chapter: intro
+See chapter: intro-roofline
 """
 
 from __future__ import annotations

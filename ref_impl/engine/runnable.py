@@ -7,7 +7,7 @@ that loading runs (checkpoint.model_args and gguf_weight_names, Tokenizer.from_g
 reader's list of decodable types, reading metadata and the tensor table but no weight, so `inspect` can
 say "no" and why in a second, even for a file of many GB.
 
-See chapter: intro
+See chapter: your-model
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ user-defined ones are matched first, as llama.cpp does. References: Radford et a
 (GPT-2, section 2.2); Sennrich et al. 2016 (BPE for words); Kudo and Richardson 2018
 (SentencePiece); the `tokenizers` docs.
 
-See chapter: intro
+See chapter: your-model
 """
 
 from __future__ import annotations

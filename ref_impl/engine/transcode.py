@@ -55,7 +55,7 @@ builds the model and loads the rest.
 
 References: MLX `mx.quantize` docs (affine mode); llama.cpp ggml-quants.c `dequantize_row_q4_K`,
 `dequantize_row_q5_K`, `dequantize_row_q6_K`; block layouts in kquants.py.
-See chapter: k-quants
+See chapter: kquants
 """
 
 from __future__ import annotations

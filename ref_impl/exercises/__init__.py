@@ -11,7 +11,7 @@ their own, and its tests in `tests/test_exercises_<module>.py`, named `test_<cha
 (the roofline's `test_task_<n>_...`), so `pytest -k <chapter>_task_<n>` selects one task.
 Notebooks use `from ref_impl import exercises as ex` and call `ex.check_...`.
 
-See chapter: intro
+See chapter: intro-roofline
 """
 
 from ref_impl.exercises.capstone import check_bandwidth_share, check_composes

@@ -7,7 +7,7 @@ name) must be equal. A wrong answer is compared with the values the usual mistak
 for bytes, K without V, GiB for GB, ...): a match names the mistake, otherwise the hint gives the
 size of the miss and the recipe. `bool(result)` is `result.ok`; a notebook displays it as ✓ or ✗.
 
-See chapter: intro
+See chapter: intro-roofline
 """
 
 from __future__ import annotations

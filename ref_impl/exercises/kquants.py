@@ -4,7 +4,7 @@ Bits per weight from a block struct, unpacking Q4_K's twelve bytes of 6-bit scal
 decoding one Q4_K super-block; checked against `formats.ggml`'s block sizes and `formats.kquants`.
 Tests: `pytest tests/test_exercises_kquants.py -k k_quants_task`.
 
-See chapter: k-quants
+See chapter: kquants
 """
 
 from __future__ import annotations

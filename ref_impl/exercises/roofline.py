@@ -4,7 +4,7 @@ Bytes per decoded token, a matmul's arithmetic intensity, a machine's ridge poin
 tokens/s bound, each checked against `theory.roofline` on public model shapes (`theory.shapes`).
 Tests: `pytest tests/test_exercises_roofline.py -k task_1` (or `task_2`, ...).
 
-See chapter: intro
+See chapter: intro-roofline
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ the quantizers' block layouts are checked against (kquants.py).
 
 References: llama.cpp ggml/include/ggml.h (`enum ggml_type`), ggml/src/ggml.c (`type_traits`:
 blck_size, type_size), ggml/src/ggml-common.h (the block structs).
-See chapter: k-quants
+See chapter: kquants
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ checked against the bytes actually left *before* anything is allocated, so a cor
 raises `GGUFError` instead of allocating without bound.
 
 References: llama.cpp docs/gguf.md; ggml/src/gguf.cpp (the reader llama.cpp uses).
-See chapter: k-quants
+See chapter: gguf
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ block of meaningless bytes. A Q4_0 (Q5_0) block with 0 < max|x| < ~2.4e-38 (~4.7
 1/d as Q8_0 does; C's float -> int8 cast of inf is undefined there, and we write what this x86
 build writes: d = +-0 and every quant 0.
 
-See chapter: k-quants
+See chapter: kquants
 """
 
 from __future__ import annotations

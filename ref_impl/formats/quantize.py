@@ -18,7 +18,7 @@ and the file types below the rules are:
 `llama-quantize --pure ... Q4_K_S`. The other names are llama.cpp's file types of the same name.
 No importance matrix is used, so the quantizers are llama.cpp's reference ones (`ref_impl.formats.kquants`).
 
-See chapter: super-blocks
+See chapter: kquants
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ perplexity, and decode speed with the weights as MLX quantized matrices ("native
 rounds one group of matrices at a time and scores the model on the same held-out windows: which layers
 mind the rounding, per weight.
 
-See chapter: k-quants
+See chapter: kquants
 """
 
 from __future__ import annotations

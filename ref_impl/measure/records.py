@@ -23,7 +23,7 @@ beside it, a few weights as "f16", and the memory probes under the experiments "
 "capstone-bandwidth": the reader maps those to today's names as it reads (`canonical`), so every reader sees
 one vocabulary while the files on disk, and their values, stay as they were.
 
-See chapter: how-to-read
+See chapter: reference-machines
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ import datetime
 import functools
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from ref_impl import RESULTS_DIR
+from ref_impl import MODELS_DIR, RESULTS_DIR
 from ref_impl.platform.machine import git_commit, machine_info
 
 SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}   # a dtype's name -> the records' name
@@ -112,6 +112,8 @@ class Run:
     git: str                    # the commit of the code that measured
     command: str
     records: tuple[dict, ...]
+    transcribed_from: str = ""  # a probe's log in results/ its records were read from once, before the probe
+                                # became a bench suite; "" for a file the bench wrote
 
     @property
     def label(self) -> str:
@@ -126,7 +128,8 @@ class Run:
     @property
     def caption(self) -> str:
         """The line a figure or table of this run's numbers carries: machine, date, commit and file."""
-        return f"{self.label}, {self.day}, commit {self.git} (results/{self.file})"
+        log = f", transcribed from results/{self.transcribed_from}" if self.transcribed_from else ""
+        return f"{self.label}, {self.day}, commit {self.git} (results/{self.file}{log})"
 
     def select(self, experiment: str | None = None, **where) -> list[dict]:
         """The run's records of `experiment` (any, if None) whose fields all equal `where`'s values."""
@@ -149,7 +152,7 @@ def _parsed(path: str, mtime_ns: int, size: int) -> Run:
     every file for every claim)."""
     data = json.loads(Path(path).read_text())
     return Run(Path(path).name, dict(data["machine"]), data.get("date", ""), data.get("git", "unknown"),
-               data.get("command", ""), tuple(canonical(r) for r in data["records"]))
+               data.get("command", ""), tuple(canonical(r) for r in data["records"]), data.get("transcribed_from", ""))
 
 
 def read_run(path: Path) -> Run:
@@ -170,7 +173,7 @@ def runs(experiment: str, results_dir: Path = RESULTS_DIR, **where) -> list[Run]
     for run in all_runs(results_dir):
         found = run.select(experiment, **where)
         if found:
-            out.append(Run(run.file, run.machine, run.date, run.git, run.command, tuple(found)))
+            out.append(replace(run, records=tuple(found)))
     return out
 
 
@@ -197,6 +200,16 @@ def reference(experiment: str, label: str, results_dir: Path = RESULTS_DIR, **wh
     return references(experiment, results_dir, **where).get(label)
 
 
+def reference_runs(results_dir: Path = RESULTS_DIR) -> dict[str, dict[str, Run]]:
+    """Per machine label, per experiment it recorded, its reference run: the table of the Reference machines page."""
+    experiments = sorted({r["experiment"] for run in all_runs(results_dir) for r in run.records})
+    out: dict[str, dict[str, Run]] = {}
+    for experiment in experiments:
+        for label, run in references(experiment, results_dir).items():
+            out.setdefault(label, {})[experiment] = run
+    return dict(sorted(out.items()))
+
+
 def read_results(experiment: str, results_dir: Path = RESULTS_DIR) -> list[tuple[str, dict, dict]]:
     """(file name, machine, record) of every record of one experiment, peers included, oldest run first;
     each record in today's vocabulary (`canonical`)."""
@@ -216,7 +229,7 @@ def roofs_run(run: Run, results_dir: Path = RESULTS_DIR) -> Run:
     machine's reference roofs run. LookupError when the machine recorded none."""
     own = read_run(Path(results_dir) / run.file).select(ROOFS) if (Path(results_dir) / run.file).is_file() else []
     if own:
-        return Run(run.file, run.machine, run.date, run.git, run.command, tuple(own))
+        return replace(run, records=tuple(own))
     ref = reference(ROOFS, run.label, results_dir)
     if ref is None:
         raise LookupError(f"no memory probe recorded on {run.label}: run `python -m ref_impl bench --roofs` there")
@@ -241,6 +254,69 @@ def peak_flops(run: Run, results_dir: Path = RESULTS_DIR) -> tuple[float, Run] |
     source = roofs_run(run, results_dir)
     found = source.select(ROOFS, metric="peak_flops")
     return (max(r["value"] for r in found), source) if found else None
+
+
+# ---- the held-out perplexity: one label -----------------------------------------------------------------
+
+def training_log(model: str) -> dict | None:
+    """The training log of a shipped model (models/<model>.train.json), None for any other model."""
+    path = MODELS_DIR / f"{model}.train.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def perplexity_text(r: dict, run: Run) -> str:
+    """How a page names a held-out perplexity record: "held-out perplexity" alone only for the one definition
+    (`evaluate.heldout_losses`: every window of the model's context over the held-out files of the Python its
+    training log names); else what it is, a sample of N tokens, or another text (the held-out files of the
+    standard library of the Python that ran the bench, whose corpus fingerprint differs from the training's)."""
+    log = training_log(r["model"])
+    if log is None:
+        return "held-out perplexity (a model without a training log)"
+    context = log["model"]["args"]["max_position_embeddings"]
+    whole = (log["corpus"]["tokens"]["heldout"] - 1) // context * context
+    sample = "" if r.get("tokens") == whole and r.get("context") == context else \
+        f"a sample of {r.get('tokens') or 0:,} tokens"
+    if r.get("corpus_sha256") != log["corpus"]["sha256"]:
+        text = (f"another text: the held-out files of Python {run.machine.get('python', '?')}'s standard library, not "
+                f"{log['corpus']['python']}'s")
+        return f"held-out perplexity on {text}" + (f", {sample}" if sample else "")
+    return f"held-out perplexity on {sample}" if sample else "held-out perplexity"
+
+
+# ---- the reference table: one value per quantity ----------------------------------------------------------
+
+SHIPPED = "stdlib-10m"                                                 # the course's own model
+LOOP = {"sync": "synchronous loop", "async_eval": "pipelined loop"}   # bench --model's variants, by the loop they ran
+
+
+@dataclass(frozen=True)
+class Quantity:
+    """A number several pages state, with the one value the reference runs give it on one machine."""
+    name: str          # "measured bandwidth", "decode tok/s, synchronous loop", ...
+    label: str         # the machine
+    value: float
+    unit: str
+    run: Run           # the run it comes from
+
+
+def reference_quantities(results_dir: Path = RESULTS_DIR) -> list[Quantity]:
+    """The reference table: per machine, its measured bandwidth and matmul peak (its reference roofs run), the
+    shipped model's held-out perplexity in float32 (its reference quant run, where that scored the training's
+    own text whole) and its decode tok/s per loop (its reference decode run). A page that states one of these
+    for that machine states this value, or names the other run it comes from."""
+    out = []
+    for label, roofs in references(ROOFS, results_dir).items():
+        out.append(Quantity("measured bandwidth", label, bandwidth(roofs, results_dir)[0], "GB/s", roofs))
+        if (peak := peak_flops(roofs, results_dir)) is not None:
+            out.append(Quantity("peak FLOP/s", label, peak[0], "FLOP/s", roofs))
+    for label, run in references("quant", results_dir, model=SHIPPED, weights="F32", metric="heldout_perplexity").items():
+        (r,) = run.records
+        if perplexity_text(r, run) == "held-out perplexity":
+            out.append(Quantity("held-out perplexity", label, r["value"], "ppl", run))
+    for label, run in references("decode", results_dir, model=SHIPPED, peer=None, metric="tokens_per_s").items():
+        out += [Quantity(f"decode tok/s, {LOOP[r['variant']]}", label, r["value"], "tok/s", run)
+                for r in run.records if r["variant"] in LOOP]
+    return out
 
 
 def write_results(records: list[dict], out_dir: Path, command: str, label: str | None = None) -> Path:

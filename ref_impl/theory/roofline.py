@@ -19,7 +19,7 @@ Conventions: GB is 1e9 bytes; `context` is the number of positions a token atten
 own included, which is also the KV cache length it reads; `bits_per_weight` is the average
 storage of a weight (16 for bf16, ~4.5 for Q4_K); KV entries default to 2 bytes.
 
-See chapter: intro
+See chapter: intro-roofline
 """
 
 from __future__ import annotations

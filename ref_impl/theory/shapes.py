@@ -6,7 +6,7 @@ the public shapes in `PUBLIC` (and, for KV-cache memory alone, `KV_ONLY`), and m
 stand-ins in `STAND_INS` are small shapes of the same architecture, for quick runs on a CPU and
 for the models this course trains and ships.
 
-See chapter: intro
+See chapter: intro-roofline
 """
 
 from __future__ import annotations

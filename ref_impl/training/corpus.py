@@ -6,7 +6,7 @@ Python given by its `Lib/` directory. A fixed slice of the files, chosen by a ha
 path, is held out: every perplexity in the book is measured on it. Another slice (valid) picks the
 checkpoint; the rest is trained on.
 
-See chapter: models
+See chapter: training
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ mlx-lm's trainer), so a step costs one graph launch; the clock stops only after 
 The log each run writes (<name>.train.json) records the loss at every step, each evaluation, the
 step chosen, the step times and the machine (the same record the benchmarks write).
 
-See chapter: models
+See chapter: training
 """
 
 from __future__ import annotations

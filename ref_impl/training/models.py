@@ -10,7 +10,7 @@ train it. Seeds are fixed, so the same Python version and configuration give the
 writes `models/stdlib-10m.gguf` and beside it `models/stdlib-10m.train.json`: the configuration,
 the loss curve, held-out perplexity, the Python version of the corpus, the machine, wall time.
 
-See chapter: models
+See chapter: training
 """
 
 from __future__ import annotations
