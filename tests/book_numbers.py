@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from bs4 import BeautifulSoup
 
-RESULTS_FILE = re.compile(r"\b[\w.]+-\d{8}-\d{6}\.json\b")
+RESULTS_FILE = re.compile(r"[\w.-]+-\d{8}-\d{6}\.json\b")
 MACHINES = {"h200": re.compile(r"\bH200\b|\bh200\b"), "cpu-2core": re.compile(r"2-core CPU|\bcpu-2core\b")}
 
 # quantity name -> (the words that name it in a line, a number in its unit: group 1); a statement is the number

@@ -226,6 +226,23 @@ def test_one_value_per_reference_quantity_across_pages(built_book):
     assert not bad, "\n".join(bad)
 
 
+def test_pages_that_show_recorded_numbers_name_runs_that_exist(built_book):
+    """A page whose code reads results/ (through measure.records, or the ledger's recorded evidence) names the runs
+    it shows in caption lines (`Run.caption`), and every results file a page names is in results/."""
+    from tests.book_numbers import RESULTS_FILE
+
+    readers = [p for p in chapters() + [ROOT / "book/appendix/reference-machines.ipynb"]
+               if re.search(r"\brecords\.|_recorded\(|ledger\.check\(", "".join(
+                   "".join(c["source"]) for c in json.loads(p.read_text())["cells"] if c["cell_type"] == "code"))]
+    assert len(readers) >= 10
+    present = {p.name for p in (ROOT / "results").glob("*.json")}
+    for path in readers:
+        page = (built_book / path.relative_to(ROOT)).with_suffix(".html").read_text()
+        named = set(RESULTS_FILE.findall(page))
+        assert named, f"{path.relative_to(ROOT)} reads recorded results but names no run"
+        assert named <= present, f"{path.relative_to(ROOT)} names runs that are not in results/: {named - present}"
+
+
 @pytest.fixture(scope="module")
 def built_book() -> Path:
     jb = Path(sys.executable).parent / "jupyter-book"

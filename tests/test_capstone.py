@@ -56,3 +56,22 @@ def test_table_says_what_each_peak_covers():
     (a,), (b,) = capstone.table(old), capstone.table(new)
     assert (a["peak_memory"], a["peak_scope"]) == (9e6, "run")
     assert (b["peak_memory"], b["peak_scope"], b["tokens_per_s"]) == (3e6, "rung", 50.0)
+
+
+def test_perplexity_scores_windows_of_the_files_own_context_after_the_long_case(tmp_path, shipped_model):
+    """The long-context case lengthens the loaded model's context; the held-out windows stay the trained 512."""
+    import dataclasses
+
+    from ref_impl.engine.tokenizer import Tokenizer
+    from ref_impl.formats import gguf
+
+    weights = capstone.Weights("stdlib-10m", {"float": shipped_model, capstone.QUANTIZED: shipped_model},
+                               {"float": "F32", capstone.QUANTIZED: "F32"})
+    model = weights.model("float", False)
+    model.args = dataclasses.replace(model.args, max_position_embeddings=4136)     # as long_records leaves it
+    with gguf.read(shipped_model) as f:
+        tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
+    plan = capstone.CapstonePlan(ppl_tokens=512)
+    recs = capstone.perplexity_records(plan, weights, tokenizer, lambda msg: None)
+    scored = [r for r in recs if r["metric"] == "heldout_perplexity"]
+    assert scored and all((r["context"], r["tokens"]) == (512, 512) for r in scored)

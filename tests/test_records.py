@@ -90,16 +90,19 @@ def test_shares_are_divided_by_the_fastest_probe_of_the_run_or_of_the_machines_r
     probe = lambda v, variant, experiment=ROOFS: record(experiment, "bandwidth", "GB/s", v, variant=variant)
     write(tmp_path, "a-1.json", "a", "2026-01-01T00:00:00+00:00", [probe(3.0, "copy"), probe(4.0, "read")])
     write(tmp_path, "a-2.json", "a", "2026-01-02T00:00:00+00:00",   # an older file's name for the probes
-          [probe(2.0, "copy", "capstone-bandwidth"), probe(20.0, "host copy", "capstone-bandwidth"),
-           record(ROOFS, "peak_flops", "FLOP/s", 1e11, variant="matmul")])
+          [probe(2.0, "copy", "capstone-bandwidth"), probe(3.0, "read", "capstone-bandwidth"),
+           probe(20.0, "host copy", "capstone-bandwidth"), record(ROOFS, "peak_flops", "FLOP/s", 1e11, variant="matmul")])
     write(tmp_path, "a-3.json", "a", "2026-01-03T00:00:00+00:00", [record("decode", "tokens_per_s", "tok/s", 9.0)])
+    write(tmp_path, "a-4.json", "a", "2026-01-04T00:00:00+00:00", [probe(50.0, "copy")])   # a cut run: one probe
     write(tmp_path, "b-1.json", "b", "2026-01-01T00:00:00+00:00", [record("decode", "tokens_per_s", "tok/s", 9.0)])
     own = records.read_run(tmp_path / "a-1.json")
     assert records.bandwidth(own, tmp_path)[0] == 4.0 and records.bandwidth(own, tmp_path)[1].file == "a-1.json"
     assert records.peak_flops(own, tmp_path) is None                   # that run measured bandwidth only
-    other = records.read_run(tmp_path / "a-3.json")                    # no probe of its own: the machine's newest
+    other = records.read_run(tmp_path / "a-3.json")    # no probe of its own: the machine's newest full set of probes
     gbs, source = records.bandwidth(other, tmp_path)
     assert (gbs, source.file) == (20.0, "a-2.json") and records.peak_flops(other, tmp_path)[0] == 1e11
+    assert records.bandwidth(records.read_run(tmp_path / "a-4.json"), tmp_path)[0] == 50.0   # its own, though
+    assert {k: v.file for k, v in records.roofs_references(tmp_path).items()} == {"a": "a-2.json"}
     with pytest.raises(LookupError, match="no memory probe recorded on b"):
         records.bandwidth(records.read_run(tmp_path / "b-1.json"), tmp_path)
     assert records.fastest_bandwidth([probe(1.0, "copy"), record("gemv", "bandwidth", "GB/s", 99.0)]) == 1.0

@@ -37,12 +37,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ref_impl import RESULTS_DIR, kernels
+from ref_impl import kernels
 from ref_impl.engine.checkpoint import load, load_model
 from ref_impl.engine.compose import Techniques, steps
 from ref_impl.engine.generate import Sampler
 from ref_impl.engine.kvquant import FLOAT
-from ref_impl.engine.model import Model
+from ref_impl.engine.model import Model, ModelArgs
 from ref_impl.engine.mtp import MTPHeads, load_heads
 from ref_impl.engine.random import args_for, write_random_model
 from ref_impl.engine.tokenizer import Tokenizer
@@ -295,7 +295,8 @@ def long_records(plan: CapstonePlan, weights: Weights, prompt: list[int], peers:
     """The cache rungs (float, plan.kv, plan.fused_kv fused, 4-bit affine fused) and the peers' caches after
     a prompt of plan.long_context tokens, two timed runs each: speed and memory only."""
     model = weights.model("float", False)
-    model.args = dataclasses.replace(model.args, max_position_embeddings=len(prompt) + plan.long_tokens + 8)
+    trained = model.args
+    model.args = dataclasses.replace(trained, max_position_embeddings=len(prompt) + plan.long_tokens + 8)
     out = []
     for name, t in (("float", Techniques()), (f"kv {plan.kv}", Techniques(kv=plan.kv)),
                     (f"kv {plan.fused_kv} fused", Techniques(kv=plan.fused_kv, fused=True)),
@@ -308,6 +309,7 @@ def long_records(plan: CapstonePlan, weights: Weights, prompt: list[int], peers:
             return run_records("capstone-long", runs, None, len(prompt), fields, peak, (),
                                decode_bytes(model, len(prompt)), roof)
         out += guarded("capstone-long", fields, measure, (ValueError,), "skipped")
+    model.args = trained          # the model stays loaded: later rungs and the perplexity see its own context
     if peers:
         out += peer_records("capstone-long", weights, [prompt, prompt], plan.long_tokens, None, 0, None, roof, say,
                             long=True)
@@ -321,9 +323,11 @@ def perplexity_records(plan: CapstonePlan, weights: Weights, tokenizer: Tokenize
     out = []
     for w in ("float", QUANTIZED):
         model = weights.model(w, False)
+        with gguf.read(weights.files[w]) as f:          # the context the file was trained at, whatever ran before
+            trained = ModelArgs.from_gguf(f.metadata, f.tensors).max_position_embeddings
         for kv, fused in ((FLOAT, False), (plan.kv, False), (plan.fused_kv, True)):
             say(f"capstone-ppl: {weights.types[w]} weights, kv {kv}")
-            context = plan.ppl_context or model.args.max_position_embeddings
+            context = plan.ppl_context or trained
             fields = {"model": weights.name, "weights": weights.types[w], "context": context, "fused": fused,
                       "kv": dtype_name(model.norm.weight.dtype) if kv == FLOAT else kv}
 

@@ -13,7 +13,8 @@ any other run says which in its caption (`Run.caption`).
 
 One definition per quantity. The bandwidth a share of a run is divided by is `bandwidth(run)`: the fastest
 of the memory probes recorded in that run (`decode.roofs`: MLX's copy and read of one array, and on a CPU
-numpy's copy), or, where the run recorded none, in its machine's reference "roofs" run. `peak_flops(run)` is
+numpy's copy), or, where the run recorded none, in its machine's reference roofs run (`roofs_references`:
+the newest that recorded the full set). `peak_flops(run)` is
 the same for the machine's matmul peak.
 
 One vocabulary for formats. A float cache or float weights are named by their dtype, short: "f32",
@@ -224,13 +225,23 @@ def select(experiment: str, results_dir: Path = RESULTS_DIR, **where) -> list[tu
 
 # ---- the roofs: one definition ---------------------------------------------------------------------------
 
+def roofs_references(results_dir: Path = RESULTS_DIR) -> dict[str, Run]:
+    """Per machine label, its reference roofs run: the newest complete run that recorded both of MLX's memory
+    probes, copy and read (a run cut short, or transcribed from a log that kept one probe, is no machine's roof)."""
+    out: dict[str, Run] = {}
+    for run in runs(ROOFS, results_dir):                   # oldest first: a newer full set replaces
+        if complete(run) and {"copy", "read"} <= {r["variant"] for r in run.select(ROOFS, metric="bandwidth")}:
+            out[run.label] = run
+    return out
+
+
 def roofs_run(run: Run, results_dir: Path = RESULTS_DIR) -> Run:
     """The run whose roofs a share of `run` is divided by: the run itself where it measured them, else its
-    machine's reference roofs run. LookupError when the machine recorded none."""
+    machine's reference roofs run (`roofs_references`). LookupError when the machine recorded none."""
     own = read_run(Path(results_dir) / run.file).select(ROOFS) if (Path(results_dir) / run.file).is_file() else []
     if own:
         return replace(run, records=tuple(own))
-    ref = reference(ROOFS, run.label, results_dir)
+    ref = roofs_references(results_dir).get(run.label)
     if ref is None:
         raise LookupError(f"no memory probe recorded on {run.label}: run `python -m ref_impl bench --roofs` there")
     return ref
@@ -305,7 +316,7 @@ def reference_quantities(results_dir: Path = RESULTS_DIR) -> list[Quantity]:
     own text whole) and its decode tok/s per loop (its reference decode run). A page that states one of these
     for that machine states this value, or names the other run it comes from."""
     out = []
-    for label, roofs in references(ROOFS, results_dir).items():
+    for label, roofs in roofs_references(results_dir).items():
         out.append(Quantity("measured bandwidth", label, bandwidth(roofs, results_dir)[0], "GB/s", roofs))
         if (peak := peak_flops(roofs, results_dir)) is not None:
             out.append(Quantity("peak FLOP/s", label, peak[0], "FLOP/s", roofs))
