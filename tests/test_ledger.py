@@ -114,7 +114,7 @@ def test_the_ledger_does_not_time_twice(live_ledger, monkeypatch):
 
 
 def no_results(monkeypatch, tmp_path) -> None:
-    """The ledger as a fresh clone without results/ would compute it: core.results reads an empty folder."""
+    """The ledger as a fresh clone without results/ would compute it: core.RESULTS_DIR is an empty folder."""
     monkeypatch.setattr(ledger.core, "RESULTS_DIR", tmp_path)
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from ref_impl import RESULTS_DIR
 from ref_impl.measure import records
-from ref_impl.measure.records import ROOFS, canonical, read_results, record, select
+from ref_impl.measure.records import ROOFS, canonical, record
 
 OLD_FLOAT_NAMES = {"float", "float16", "float32", "bfloat16"}
 
@@ -49,16 +49,16 @@ def test_every_recorded_file_reads_back_with_its_values_untouched_in_one_vocabul
             assert after.get("kv") not in OLD_FLOAT_NAMES and after.get("weights") not in {"f16", "f32", "bf16"}
     experiments = {r["experiment"] for run in records.all_runs() for r in run.records}
     assert ROOFS in experiments and not experiments & set(records.OLD_ROOFS)
-    for experiment in experiments:   # the tuple reader gives the same records, oldest run first
-        rows = read_results(experiment)
-        assert [r for _, _, r in rows] == [r for run in records.runs(experiment) for r in run.records]
+    for experiment in experiments:   # runs() keeps every record of the experiment, oldest run first
+        assert [r for run in records.runs(experiment) for r in run.records] == [
+            r for run in records.all_runs() for r in run.records if r["experiment"] == experiment]
 
 
-def test_select_keeps_the_rows_whose_fields_all_match(tmp_path):
+def test_runs_keep_the_records_whose_fields_all_match(tmp_path):
     recs = [record("link", "copy_bandwidth", "GB/s", v, variant=var) for v, var in ((1, "a"), (2, "b"), (3, "a"))]
     (tmp_path / "m-1.json").write_text(json.dumps({"schema": 1, "machine": {"label": "m"}, "records": recs}))
-    assert [r["value"] for _, _, r in select("link", tmp_path, variant="a")] == [1, 3]
-    assert [r["value"] for _, _, r in select("link", tmp_path, variant="a", metric="other")] == []
+    assert [r["value"] for run in records.runs("link", tmp_path, variant="a") for r in run.records] == [1, 3]
+    assert records.runs("link", tmp_path, variant="a", metric="other") == []
 
 
 def write(tmp_path, name: str, label: str, date: str, recs: list[dict], git: str = "abc1234") -> None:
@@ -106,3 +106,37 @@ def test_shares_are_divided_by_the_fastest_probe_of_the_run_or_of_the_machines_r
     with pytest.raises(LookupError, match="no memory probe recorded on b"):
         records.bandwidth(records.read_run(tmp_path / "b-1.json"), tmp_path)
     assert records.fastest_bandwidth([probe(1.0, "copy"), record("gemv", "bandwidth", "GB/s", 99.0)]) == 1.0
+
+
+def test_a_heldout_perplexity_is_named_for_what_it_scored():
+    log = records.training_log("stdlib-10m")
+    whole = (log["corpus"]["tokens"]["heldout"] - 1) // 512 * 512
+    run = records.Run("x.json", {"label": "m", "python": "3.12.3"}, "2026-01-01", "abc", "", ())
+    ppl = lambda **kw: record("quant", "heldout_perplexity", "ppl", 6.3, model="stdlib-10m", context=512,
+                              tokens=whole, corpus_sha256=log["corpus"]["sha256"]) | kw
+    assert records.perplexity_text(ppl(), run) == "held-out perplexity"
+    assert records.perplexity_text(ppl(tokens=16384), run) == "held-out perplexity on a sample of 16,384 tokens"
+    assert records.perplexity_text(ppl(context=256), run).startswith("held-out perplexity on a sample")
+    other = records.perplexity_text(ppl(corpus_sha256="f00d", tokens=2048), run)
+    assert other.startswith("held-out perplexity on another text: the held-out files of Python 3.12.3's") \
+        and other.endswith("a sample of 2,048 tokens")
+    assert records.perplexity_text(ppl(model="Llama-3.1-8B"), run).endswith("(a model without a training log)")
+
+
+def test_the_reference_table_takes_each_quantity_from_its_machines_reference_run(tmp_path):
+    log = records.training_log("stdlib-10m")
+    whole = (log["corpus"]["tokens"]["heldout"] - 1) // 512 * 512
+    probe = lambda v, variant: record(ROOFS, "bandwidth", "GB/s", v, variant=variant)
+    speed = lambda v, variant: record("decode", "tokens_per_s", "tok/s", v, model="stdlib-10m", variant=variant)
+    ppl = lambda v, tokens: record("quant", "heldout_perplexity", "ppl", v, model="stdlib-10m", weights="F32",
+                                   context=512, tokens=tokens, corpus_sha256=log["corpus"]["sha256"])
+    write(tmp_path, "a-1.json", "a", "2026-01-01T00:00:00+00:00",
+          [probe(4.0, "copy"), probe(5.0, "read"), speed(10.0, "sync"), speed(11.0, "async_eval"), ppl(6.27, whole)])
+    write(tmp_path, "b-1.json", "b", "2026-01-01T00:00:00+00:00",
+          [probe(40.0, "copy"), probe(30.0, "read"), ppl(7.41, 16384)])          # a sample: not the table's
+    got = {(q.name, q.label): (q.value, q.run.file) for q in records.reference_quantities(tmp_path)}
+    assert got == {("measured bandwidth", "a"): (5.0, "a-1.json"), ("measured bandwidth", "b"): (40.0, "b-1.json"),
+                   ("held-out perplexity", "a"): (6.27, "a-1.json"),
+                   ("decode tok/s, synchronous loop", "a"): (10.0, "a-1.json"),
+                   ("decode tok/s, pipelined loop", "a"): (11.0, "a-1.json")}
+    assert set(records.reference_runs(tmp_path)) == {"a", "b"}

@@ -1,12 +1,13 @@
 """What the chapters' claims share: the Claim and Verdict records, the decision vocabulary, evidence with
-units, the results reader, and the ledger's HTML table.
+units, the results folder they read, and the ledger's HTML table.
 
 A claim keeps its seed sentence verbatim, the seed file it comes from, the chapter that teaches its
 mechanism, and its decision rule, written beside it in words. Its check is two functions: `gather`
-collects the evidence (sourced tables, arithmetic, results/*.json, and with `live=True` this machine's
-timings) and `judge` applies the rule to it. `judge` is pure, so tests feed it synthetic evidence on
-both sides of every threshold; its status comes from `decide` on what the evidence shows, never a
-literal, except "not testable here" for hardware we cannot run. When the results a rule reads are
+collects the evidence (sourced tables, arithmetic, each machine's reference runs in RESULTS_DIR through
+`measure.records`' one selector, and with `live=True` this machine's timings, taken by `measure/`: the
+ledger times nothing itself) and `judge` applies the rule to it. `judge` is pure, so tests feed it
+synthetic evidence on both sides of every threshold; its status comes from `decide` on what the evidence
+shows, never a literal, except "not testable here" for hardware we cannot run. When the results a rule reads are
 missing, `gather` returns None and the claim is pending, naming the command that records them.
 Live timings are reported beside a verdict with their spread; they never decide it, so a build with
 `live=True` and one with `live=False` agree.
@@ -22,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from ref_impl import MODELS_DIR, RESULTS_DIR
-from ref_impl.measure.records import read_results
+import ref_impl
+from ref_impl import MODELS_DIR
 
 SEEDS = ("000_8c45ce1e9e68affe.txt", "001_71c9d8b5ea64f620.txt")  # in ../shared/seeds/
 CHAPTERS = ("roofline", "signalling", "interconnect", "gguf", "kquants", "dispatch", "kv-cache", "speculative")
@@ -114,29 +115,9 @@ def claim(cid: str, chapter: str, gather: Callable[[bool], Any], judge: Callable
     return Claim(cid, chapter, short, quote, SEEDS[int(cid[1:]) > 16], rule, gather, judge, outcomes, pending)
 
 
-# ---- recorded results ------------------------------------------------------------------------------
+# ---- recorded results: every module reads them through measure.records' selector, from this folder ---------
 
-def results(experiment: str) -> list[tuple[str, dict, dict]]:
-    """(file name, machine, record) of every record of one experiment in results/*.json, oldest file first."""
-    return read_results(experiment, RESULTS_DIR)
-
-
-def recorded(experiment: str, model: str) -> list[tuple[str, dict, dict]]:
-    """(file name, machine, record) of our own engine's records in results/*.json."""
-    return [(name, machine, r) for name, machine, r in results(experiment)
-            if r["model"] == model and r.get("peer") is None]
-
-
-def by_machine(experiment: str, file: str | None = None) -> dict[str, tuple[dict, list[dict]]]:
-    """Our records of one experiment, per machine label: (machine, records of its newest file), or of the
-    results file named `file` only (an older run a chapter sets beside the newest)."""
-    files: dict[str, dict[str, tuple[dict, list[dict]]]] = {}
-    for name, machine, r in results(experiment):
-        if r.get("peer") is None and file in (None, name):
-            files.setdefault(machine["label"], {}).setdefault(name, (machine, []))[1].append(r)
-    return {label: f[max(f)] for label, f in files.items()}
-
-
+RESULTS_DIR = ref_impl.RESULTS_DIR   # results/; a test points it at a folder of its own
 TABLES = "roofline.HARDWARE (vendor datasheets), shapes.PUBLIC (config.json)"   # the sourced tables, as a source
 
 

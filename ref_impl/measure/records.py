@@ -7,15 +7,17 @@ results/<label>-<date>.json {schema, date, git, command, machine, records} (`wri
 "Measured results"). A file read back is a `Run`: which machine, when, at which commit, by which command.
 
 Which run a page shows is chosen in one place. `reference(experiment, label)` is the run every chapter
-uses for one experiment on one reference machine: its newest complete run (`complete`: no value a NaN). `references` gives it for every machine that recorded the experiment, and
-`runs` every run, oldest first, for the pages that set runs side by side. A page that shows a number from
+uses for one experiment on one reference machine: its newest complete run (`complete`: no value a NaN).
+`references` gives it for every machine that recorded the experiment, `runs` every run, oldest first, for
+the pages that set runs side by side, and `reference_runs` the whole table. A page that shows a number from
 any other run says which in its caption (`Run.caption`).
 
 One definition per quantity. The bandwidth a share of a run is divided by is `bandwidth(run)`: the fastest
 of the memory probes recorded in that run (`decode.roofs`: MLX's copy and read of one array, and on a CPU
 numpy's copy), or, where the run recorded none, in its machine's reference roofs run (`roofs_references`:
-the newest that recorded the full set). `peak_flops(run)` is
-the same for the machine's matmul peak.
+the newest that recorded the full set); `peak_flops(run)` is the same for the matmul peak. A held-out
+perplexity is named by `perplexity_text` (the whole text, a sample, or another text), and the values
+several pages state are `reference_quantities`.
 
 One vocabulary for formats. A float cache or float weights are named by their dtype, short: "f32",
 "f16", "bf16" in `kv` (and `dtype`), "F32", "F16", "BF16" in `weights` (GGML's type names). Older files
@@ -209,18 +211,6 @@ def reference_runs(results_dir: Path = RESULTS_DIR) -> dict[str, dict[str, Run]]
         for label, run in references(experiment, results_dir).items():
             out.setdefault(label, {})[experiment] = run
     return dict(sorted(out.items()))
-
-
-def read_results(experiment: str, results_dir: Path = RESULTS_DIR) -> list[tuple[str, dict, dict]]:
-    """(file name, machine, record) of every record of one experiment, peers included, oldest run first;
-    each record in today's vocabulary (`canonical`)."""
-    return [(run.file, run.machine, r) for run in runs(experiment, results_dir) for r in run.records]
-
-
-def select(experiment: str, results_dir: Path = RESULTS_DIR, **where) -> list[tuple[str, dict, dict]]:
-    """`read_results` rows whose record has every field of `where` equal to the given value, e.g.
-    select("link", variant="host copy (numpy)", metric="copy_bandwidth")."""
-    return [(run.file, run.machine, r) for run in runs(experiment, results_dir, **where) for r in run.records]
 
 
 # ---- the roofs: one definition ---------------------------------------------------------------------------
