@@ -318,12 +318,13 @@ def long_records(plan: CapstonePlan, weights: Weights, prompt: list[int], peers:
 
 def perplexity_records(plan: CapstonePlan, weights: Weights, tokenizer: Tokenizer, say: Say) -> list[dict]:
     """Held-out perplexity per weights and cache of the rungs: the quality each costs (the loop's other
-    switches keep the model's distribution)."""
+    switches keep the model's distribution). The weights are scored in float32 whatever format the rungs run
+    them in (MLX's quantized matmul on a CPU takes ~50 minutes for the whole held-out text)."""
     stream, fingerprint = heldout_stream(tokenizer)
     out = []
     for w in ("float", QUANTIZED):
-        model = weights.model(w, False)
-        with gguf.read(weights.files[w]) as f:          # the context the file was trained at, whatever ran before
+        with gguf.read(weights.files[w]) as f:   # the file's exact weights in float32, at the context it was trained
+            model = load_model(f, mx.float32)    # for, as bench --quant scores them
             trained = ModelArgs.from_gguf(f.metadata, f.tensors).max_position_embeddings
         for kv, fused in ((FLOAT, False), (plan.kv, False), (plan.fused_kv, True)):
             say(f"capstone-ppl: {weights.types[w]} weights, kv {kv}")
