@@ -242,6 +242,10 @@ def add_bench(sub) -> None:
     b.add_argument("--kernels", action="store_true",
                    help="custom CUDA GEMV kernels vs MLX's built-ins: GB/s per matrix of --shape (default "
                         "Llama-3.1-8B), decode tok/s per --weights type with and without them; needs CUDA")
+    b.add_argument("--kernel-profile", action="store_true", help="CUDA: CUPTI kernel times of decode per fused launch")
+    b.add_argument("--layer-launches", action="store_true", help="CUDA: the fused kernels queued, per launch setting")
+    b.add_argument("--gemv-decode", action="store_true", help="CUDA: the 4-bit GEMV inner loop 5 ways, GB/s, error")
+    b.add_argument("--ncu", action="store_true", help="CUDA: Nsight Compute counters and stalls of the fused kernels")
     b.add_argument("--llama-bench", metavar="PATH",
                    help="for --kernels and --capstone: llama.cpp's llama-bench binary, run on the same GGUF files as "
                         "the peer")

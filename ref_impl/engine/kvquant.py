@@ -154,7 +154,8 @@ def quantized_matmul_error(device: str, dtype: str, width: int, bits: int, group
 def check_fused(width: int, bits: int, group: int, dtype: mx.Dtype) -> None:
     """A ValueError unless mx.quantized_matmul on this device gives q.K^T for rows of `width` as the dequantized
     product does: MLX 0.32.4's CUDA kernel got rows of 64 wrong (errors ~20 where the product is ~10;
-    results/h200-20261201-190000-fused_diagnosis.log), so fused attention there would decode garbage."""
+    results/h200-20261201-190000-fused_diagnosis.log; this check is that diagnosis's q.K^T half, run where
+    it matters), so fused attention there would decode garbage."""
     device = str(mx.default_device())
     error = quantized_matmul_error(device, str(dtype).split(".")[-1], width, bits, group)
     if error > 0.05:

@@ -52,10 +52,11 @@ from ref_impl.platform.timing import clock, median
 KERNELS = tuple(SOURCES)
 # warps per block: a block stages its input row once for all its warps, so more warps share that cost, but
 # blocks that do not all fit at once leave SMs idle in the last wave. Each kernel's GPU time per call on the
-# H200, 8B shapes, 4-bit (results/h200-20261202-042500-fused_profile.log): attn_out 19.6 us with 8 warps,
+# H200, 8B shapes, 4-bit ("kernel-profile" records, results/h200-20261202-042500.json): attn_out 19.6 us with 8 warps,
 # 14.0 with 16 (128 blocks: one wave); mlp_in 47.4 us with 12, 43.8 with 8 (its 128 registers a thread fit
 # two blocks of 8 warps on an SM, one of 12); attn_in, 3072 warps: 4 warps 29.6 us, 8 warps 31.5, and 16
-# read float16 at 1748 GB/s against 2453 with 8 (results/h200-20261202-005000-*.log, -011256-*.log)
+# read float16 at 1748 GB/s against 2453 with 8 ("layer-launch" records, results/h200-20261202-005000.json;
+# "decode-breakdown", -011256.json)
 WARPS = {"attn_in": 8, "attend": 8, "attn_out": 16, "mlp_in": 8, "mlp_out": 8}
 ROWS_PER_WARP = 2       # output rows a warp computes (attn_in: always one RoPE pair)
 # 16-byte loads per row in flight, (dense, quantized): a 4-bit chunk is 32 weights of work against a dense

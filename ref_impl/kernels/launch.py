@@ -20,7 +20,8 @@ One launch (`Launch`):
   4-bit code OR-ed into 2048.0 or 128.0 (at bits 12-15 or 16-19 of the word, shifted or rotated there)
   is the float 2048 + c or 128 + c, whose product with x is exact in float32, so the dot sums x (offset
   + c) and the offsets leave once per chunk through sums of x: ~2.4 lane operations a code, where
-  subtracting first took 3, 5-16% more GB/s on the H200 (results/h200-20261202-034000-gemv4_decodes.log).
+  subtracting first took 3, 5-16% more GB/s on the H200 ("gemv-decode" records,
+  results/h200-20261202-034000.json).
   The group's scale and bias are applied once per chunk: sum_i (s q_i + b) x_i = s sum_i q_i x_i + b
   sum_i x_i, as MLX's own Metal qdot does. x is read as 16-byte vectors and converted once per chunk
   for all R rows.

@@ -45,7 +45,7 @@ from ref_impl.ledger.core import (
     page_of,
     status_counts,
 )
-from ref_impl.ledger.dispatch import C21_LOSS, dispatch_records
+from ref_impl.ledger.dispatch import C21_LOSS, dispatch_records, dispatch_runs, kernel_latency_recorded
 from ref_impl.ledger.dispatch_caching import first_call_recorded, growth_pauses, kv_recorded, wired_recorded
 from ref_impl.ledger.dispatch_jitter import (
     GROWTH_STEP,
@@ -57,8 +57,9 @@ from ref_impl.ledger.dispatch_jitter import (
     threshold_pauses,
 )
 from ref_impl.ledger.interconnect import C07_GBS, STREAM_MODELS, link_recorded, native_link_efficiency
+from ref_impl.ledger.kquants import ShapeDecode, quant_runs, shape_decodes
 from ref_impl.ledger.kv_cache import first_reads, kv_quality_recorded, unified_recorded
-from ref_impl.ledger.speculative import spec_recorded
+from ref_impl.ledger.speculative import spec_in, spec_recorded
 
 MODULES = (roofline, signalling, interconnect, gguf, kquants, dispatch, dispatch_caching, dispatch_jitter,
            kv_cache, speculative)   # one per chapter; the dispatch chapter has one per page
@@ -86,10 +87,11 @@ __all__ = [
     "Claim", "Number", "Verdict", "first_sentence", "ledger_html", "page_of", "status_counts",
     # what the chapters read of their recorded results
     "C07_GBS", "STREAM_MODELS", "link_recorded", "native_link_efficiency",
-    "C21_LOSS", "dispatch_records",
+    "C21_LOSS", "dispatch_records", "dispatch_runs", "kernel_latency_recorded",
     "first_call_recorded", "growth_pauses", "kv_recorded", "wired_recorded",
     "GROWTH_STEP", "JITTER_STEP", "PAUSE_FACTOR", "JitterTrace", "growth_positions", "jitter_traces", "find_pauses",
     "threshold_pauses",
+    "ShapeDecode", "quant_runs", "shape_decodes",
     "first_reads", "kv_quality_recorded", "unified_recorded",
-    "spec_recorded",
+    "spec_in", "spec_recorded",
 ]

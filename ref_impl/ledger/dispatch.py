@@ -2,22 +2,23 @@
 
 ggml-metal's batching is read from its source; the stalls and launch costs are measured through
 MLX (an eval after every layer, sync per token against mx.async_eval, one small op), the portable
-analog of Metal, and read from results/ (dispatch-layer-eval, dispatch-async, kernel-latency).
+analog of Metal, and read from each machine's reference run of the experiments dispatch-layer-eval,
+dispatch-async and kernel-latency (`dispatch_runs`, which the caching and jitter pages read too).
 C01 and C21 are about a GPU's command queue, so the GPU records decide them; the CPU's are shown
 beside them as context (there the "device" is the host's own cores, with no queue of its own).
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
-import mlx.core as mx
 import numpy as np
 
 from ref_impl.engine.random import args_for
-from ref_impl.ledger.core import Number, Verdict, claim, decide, figure, repeated, results
-from ref_impl.measure import latency
+from ref_impl.ledger import core
+from ref_impl.ledger.core import Number, Verdict, claim, decide, figure, repeated
+from ref_impl.measure import latency, records
+from ref_impl.measure.records import Run
 from ref_impl.theory import queue
 
 GGML_METAL_MAX_COMMAND_BUFFERS = 8   # ggml/src/ggml-metal/ggml-metal-context.m: command buffers per graph, at most
@@ -30,11 +31,31 @@ C31_BOUND_US = 1.0                   # "sub-microsecond", quoted from the claim
 DISPATCH_BENCH = "python -m ref_impl bench --dispatch"
 
 
+def dispatch_runs(experiment: str) -> dict[str, Run]:
+    """Per machine label, the run the dispatch pages and claims read for one experiment: its reference run
+    (`records.references`: the newest complete one), our engine's records only."""
+    return records.references(experiment, core.RESULTS_DIR, peer=None)
+
+
 def dispatch_records(experiment: str) -> dict[tuple[str, str | None, str | None, str], dict]:
-    """(machine label, model, variant, metric) -> record, for one dispatch experiment in results/ (ours only;
-    a later file of the same machine replaces an earlier one). Each record gains the machine's backend."""
-    return {(m["label"], r["model"], r.get("variant"), r["metric"]): r | {"backend": m["backend"]}
-            for _, m, r in results(experiment) if r["peer"] is None}
+    """(machine label, model, variant, metric) -> record of each machine's reference run of one dispatch
+    experiment (`dispatch_runs`). Each record gains the machine's backend and its run's caption."""
+    return {(label, r["model"], r.get("variant"), r["metric"]): r | {"backend": run.machine["backend"],
+                                                                     "caption": run.caption}
+            for label, run in dispatch_runs(experiment).items() for r in run.records}
+
+
+def kernel_latency_recorded(run: Run) -> dict[str, dict[int, float]]:
+    """Per variant of one kernel-latency run ("chain=16, compiled"): µs per add by vector size."""
+    out: dict[str, dict[int, float]] = {}
+    for r in run.select(metric="per_op_us"):
+        out.setdefault(r["variant"], {})[r["elements"]] = r["value"]
+    return out
+
+
+def _captions(items) -> str:
+    """The caption lines of the runs evidence came from, once each."""
+    return "; ".join(sorted({i.caption for i in items}))
 
 
 def _rounds(r: dict) -> tuple[float, ...]:
@@ -62,6 +83,7 @@ class LayerEvalRun:
     graph_tok_s: tuple[float, ...]      # rounds, one graph per token
     layer_tok_s: tuple[float, ...]      # rounds, an mx.eval after every transformer block
     extra_us: float | None = None       # time added per extra sync, as recorded
+    caption: str = ""                   # the run it was recorded in (Run.caption)
 
     @property
     def lost(self) -> float:
@@ -75,7 +97,7 @@ class LayerEvalRun:
 
 
 def gather_c01(live: bool) -> tuple[LayerEvalRun, ...] | None:
-    """The dispatch-layer-eval records, per machine and model; None without a GPU's."""
+    """Each machine's reference dispatch-layer-eval run, per model; None without a GPU's."""
     rec = dispatch_records("dispatch-layer-eval")
     runs = []
     for (lab, model, var, metric), r in sorted(rec.items()):
@@ -83,7 +105,7 @@ def gather_c01(live: bool) -> tuple[LayerEvalRun, ...] | None:
         if var == "layer_eval" and metric == "tokens_per_s" and graph:
             extra = rec.get((lab, model, "layer_eval", "extra_us_per_layer_eval"))
             runs.append(LayerEvalRun(lab, r["backend"], model, _rounds(graph), _rounds(r),
-                                     extra["value"] if extra else None))
+                                     extra["value"] if extra else None, r["caption"]))
     return tuple(runs) if any(r.backend != "cpu" for r in runs) else None
 
 
@@ -128,9 +150,7 @@ def judge_c01(runs: tuple[LayerEvalRun, ...]) -> Verdict:
                               f"{_names(r.model for r in gpu if not r.stalls)}, measured through MLX's CUDA backend",
                  "refuted": "measured through MLX's CUDA backend, an eval after every layer cost no throughput "
                             "beyond the rounds' spread on any model"}[status]
-    labels = _names(r.machine for r in runs)
-    return Verdict(status, summary + ".", ev, condition,
-                   f"{_METAL_SOURCE}; results/ (dispatch-layer-eval: {labels})")
+    return Verdict(status, summary + ".", ev, condition, f"{_METAL_SOURCE}; dispatch-layer-eval: {_captions(runs)}")
 
 
 C01 = claim("C01", "dispatch", gather_c01, judge_c01,
@@ -159,6 +179,7 @@ class SyncRun:
     params: float               # the model's parameters (its shape's count)
     sync_tok_s: float           # medians of the recorded rounds
     async_tok_s: float
+    caption: str = ""           # the run it was recorded in (Run.caption)
 
     @property
     def loss(self) -> float:
@@ -173,10 +194,11 @@ class C21Evidence:
 
 
 def gather_c21(live: bool) -> C21Evidence | None:
-    """The dispatch-async records with each model's size, and the queue model's arithmetic; None without a GPU's."""
+    """Each machine's reference dispatch-async run with each model's size, and the queue model's arithmetic;
+    None without a GPU's."""
     rec = dispatch_records("dispatch-async")
     runs = tuple(SyncRun(lab, r["backend"], model, float(args_for(model).num_parameters), r["value"],
-                         rec[lab, model, "async_eval", "tokens_per_s"]["value"])
+                         rec[lab, model, "async_eval", "tokens_per_s"]["value"], r["caption"])
                  for (lab, model, var, metric), r in sorted(rec.items())
                  if var == "sync" and metric == "tokens_per_s" and (lab, model, "async_eval", "tokens_per_s") in rec)
     if not any(r.backend != "cpu" for r in runs):
@@ -226,8 +248,8 @@ def judge_c21(e: C21Evidence) -> Verdict:
         parts += [f"it passed the claim's {C21_LOSS:.0%} for {_names(r.model for r in over)}"] if over else []
         parts += [f"no loss for {_names(r.model for r in gpu if r.loss <= 0)}"] if len(losing) < len(gpu) else []
         condition = "; ".join(parts)
-    source = (f"results/ (dispatch-async: {_names(r.machine for r in e.runs)}); MLX's mx.async_eval stands in for "
-              "Metal's commit without waitUntilCompleted; ref_impl.theory.queue (arithmetic)")
+    source = (f"dispatch-async: {_captions(e.runs)}; MLX's mx.async_eval stands in for Metal's commit without "
+              "waitUntilCompleted; ref_impl.theory.queue (arithmetic)")
     return Verdict(status, summary + ".", ev, condition, source)
 
 
@@ -257,6 +279,7 @@ class LaunchFloor:
     compiled: bool              # fused by mx.compile into one kernel per call
     per_op_us: float            # median µs per add over sizes up to 4096 elements (latency.launch_floor)
     break_even: int | None = None
+    caption: str = ""           # the run it was recorded in (Run.caption)
 
     @property
     def per_kernel_us(self) -> float:
@@ -275,33 +298,21 @@ class C31Evidence:
     device: str = ""
 
 
-@functools.cache
-def measure_launch_floor(repeats: int = 3) -> tuple[str, Number]:
-    """This machine's launch + sync floor through MLX, `repeats` times: one add on 1 to 4096 float32 values."""
-    floors = []
-    for _ in range(repeats):
-        rows = latency.kernel_latency(sizes=(1, 16, 256, 4096), chains=(1,), target_s=0.005, rounds=3, budget_s=1.0)
-        floors.append(latency.launch_floor([(r.elements, r.per_op_us) for r in rows])[0])
-    return str(mx.default_device()), repeated(floors, "µs")
-
-
 def gather_c31(live: bool) -> C31Evidence | None:
-    """The kernel-latency records' launch floors per machine and configuration (later files win); None without."""
-    per: dict[tuple[str, str], dict[int, float]] = {}
-    backend = {}
-    for _, m, r in results("kernel-latency"):
-        if r["peer"] is None and r["metric"] == "per_op_us":
-            per.setdefault((m["label"], r["variant"]), {})[r["elements"]] = r["value"]
-            backend[m["label"]] = m["backend"]
-    if not per:
-        return None
+    """The launch floors of each machine's reference kernel-latency run, per configuration, and with `live` this
+    machine's (latency.measure_launch_floor, shown only); None without a recorded run."""
     floors = []
-    for (lab, var), d in sorted(per.items()):
-        floor, be = latency.launch_floor(list(d.items()))
-        chain = int(var.split(",")[0].removeprefix("chain="))
-        floors.append(LaunchFloor(lab, backend[lab], chain, "compiled" in var, floor, be))
-    device, reading = measure_launch_floor() if live else ("", None)
-    return C31Evidence(tuple(floors), reading, device)
+    for lab, run in sorted(dispatch_runs("kernel-latency").items()):
+        for var, d in sorted(kernel_latency_recorded(run).items()):
+            floor, be = latency.launch_floor(list(d.items()))
+            chain = int(var.split(",")[0].removeprefix("chain="))
+            floors.append(LaunchFloor(lab, run.machine["backend"], chain, "compiled" in var, floor, be, run.caption))
+    if not floors:
+        return None
+    if not live:
+        return C31Evidence(tuple(floors))
+    device, reading = latency.measure_launch_floor()
+    return C31Evidence(tuple(floors), repeated(list(reading), "µs"), device)
 
 
 def judge_c31(e: C31Evidence) -> Verdict:
@@ -333,10 +344,11 @@ def judge_c31(e: C31Evidence) -> Verdict:
         f = min(fused, key=lambda f: f.per_op_us)
         summary += (f", and fusing {f.chain} adds into one kernel with mx.compile brought the cost per add to "
                     f"{figure(f.per_op_us)} µs ({f.machine}) at {figure(f.per_kernel_us)} µs per kernel")
-    source = f"results/ (kernel-latency: {_names(f.machine for f in e.floors)})"
+    source = f"kernel-latency: {_captions(e.floors)}"
     if e.live is not None:
         ev[f"live: µs per kernel, one add on ≤ 4096 values ({e.device})"] = e.live
-        source = f"live: ref_impl.measure.latency.kernel_latency on this machine ({e.device}), shown only; " + source
+        source = (f"live: ref_impl.measure.latency.measure_launch_floor on this machine ({e.device}), shown only; "
+                  + source)
     alone_under = _names(f.machine for f in alone if f.per_kernel_us < C31_BOUND_US)
     condition = {"confirmed": "one kernel evaluated from Python at a time, measured through MLX",
                  "qualified": (f"one add evaluated alone gets under the bound only on {alone_under}" if alone_under

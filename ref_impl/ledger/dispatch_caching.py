@@ -5,23 +5,25 @@ Metal cannot run on the course's machines, so C09 and C28 are decided on the por
 CUDA backend compiles its kernels at run time and keeps them in an on-disk cache), C02 on the three
 KV-cache strategies of latency.kv_jitter, and C15, which needs macOS wiring under memory pressure, is
 not testable here, with Linux's analog (first-touch, prefaulted and mlocked reads) shown. Every rule
-reads results/ (experiments first-call, kv-jitter, wired); a pause is the jitter page's: a token over
-PAUSE_FACTOR times its run's typical one. Live readings (C15's page faults, C28's mx.compile) are
-repeated, shown with their spread and never decide.
+reads each machine's reference run of its experiment (first-call, kv-jitter, wired: `dispatch_runs`),
+and C02 the measured bandwidth of that run's machine (`records.bandwidth`); a pause is the jitter page's:
+a token over PAUSE_FACTOR times its run's typical one. Live readings (C15's page faults, C28's
+mx.compile) come from ref_impl.measure.latency, repeated, shown with their spread and never decide.
 """
 
 from __future__ import annotations
 
-import functools
 import platform
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ref_impl.ledger.core import Number, Verdict, by_machine, claim, decide, figure, repeated, results
+from ref_impl.ledger import core
+from ref_impl.ledger.core import Number, Verdict, claim, decide, figure, repeated
+from ref_impl.ledger.dispatch import dispatch_runs
 from ref_impl.ledger.dispatch_jitter import GROWTH_STEP, PAUSE_FACTOR, find_pauses
-from ref_impl.measure import latency
-from ref_impl.measure.loads import wired_reads
+from ref_impl.measure import latency, records
+from ref_impl.measure.records import Run
 
 METAL_DOCS = ("Apple Metal documentation: MTLComputePipelineState (pipeline states are made at a noncritical "
               "time, e.g. launch), MTLComputePipelineDescriptor.binaryArchives, Metal binary archives")
@@ -34,37 +36,32 @@ LIVE_NOTE = "this machine's reading, shown beside the verdict, which it does not
 
 # ---- the recorded results ----------------------------------------------------------------------------
 
-def first_call_recorded() -> dict[str, dict]:
-    """Per machine: {"backend", "tokens": {(process, run): ms per token}, "steady": {(process, run): ms},
-    "compile": {(process, metric): ms}, "process_s": {process: s}} from the first-call records."""
-    out = {}
-    for label, (machine, recs) in by_machine("first-call").items():
-        d = {"backend": machine["backend"], "tokens": {}, "steady": {}, "compile": {}, "process_s": {}}
-        for r in recs:
-            if r["metric"] == "token_ms":
-                d["tokens"][r["process"], r["run"]] = r["samples"]
-            elif r["metric"] == "steady_token_ms":
-                d["steady"][r["process"], r["run"]] = r["value"]
-            elif r["metric"] == "process_s":
-                d["process_s"][r["process"]] = r["value"]
-            elif r["variant"] == "mx.compile":
-                d["compile"][r["process"], r["metric"]] = r["value"]
-        if {FRESH, WARM, CACHED, WARM_CACHED} <= set(d["tokens"]):
-            out[label] = d
-    return out
+def first_call_recorded(run: Run) -> dict | None:
+    """One first-call run: {"backend", "tokens": {(process, run): ms per token}, "steady": {(process, run): ms},
+    "compile": {(process, metric): ms}, "process_s": {process: s}}; None without all four runs' tokens."""
+    d = {"backend": run.machine["backend"], "tokens": {}, "steady": {}, "compile": {}, "process_s": {}}
+    for r in run.select("first-call"):
+        if r["metric"] == "token_ms":
+            d["tokens"][r["process"], r["run"]] = r["samples"]
+        elif r["metric"] == "steady_token_ms":
+            d["steady"][r["process"], r["run"]] = r["value"]
+        elif r["metric"] == "process_s":
+            d["process_s"][r["process"]] = r["value"]
+        elif r["variant"] == "mx.compile":
+            d["compile"][r["process"], r["metric"]] = r["value"]
+    return d if {FRESH, WARM, CACHED, WARM_CACHED} <= set(d["tokens"]) else None
 
 
-def kv_recorded() -> dict[str, dict[tuple[str, str], dict]]:
-    """Per machine, per (model, strategy): every kv-jitter metric by name, plus "itl" (the samples),
-    "context" and "prompt_len" (context less the tokens generated)."""
-    out: dict[str, dict[tuple[str, str], dict]] = {}
-    for label, (_, recs) in by_machine("kv-jitter").items():
-        for r in recs:
-            d = out.setdefault(label, {}).setdefault((r["model"], r["variant"]), {"context": r["context"]})
-            d[r["metric"]] = r["value"]
-            if r["metric"] == "itl_ms":
-                d["itl"] = r["samples"]
-                d["prompt_len"] = r["context"] - len(r["samples"]) - 1
+def kv_recorded(run: Run) -> dict[tuple[str, str], dict]:
+    """One kv-jitter run, per (model, strategy): every metric by name, plus "itl" (the samples), "context" and
+    "prompt_len" (context less the tokens generated)."""
+    out: dict[tuple[str, str], dict] = {}
+    for r in run.select("kv-jitter"):
+        d = out.setdefault((r["model"], r["variant"]), {"context": r["context"]})
+        d[r["metric"]] = r["value"]
+        if r["metric"] == "itl_ms":
+            d["itl"] = r["samples"]
+            d["prompt_len"] = r["context"] - len(r["samples"]) - 1
     return out
 
 
@@ -76,38 +73,20 @@ def growth_pauses(itl: list[float], prompt_len: int, step: int = GROWTH_STEP) ->
     return find_pauses(itl).tolist(), growth
 
 
-def wired_recorded() -> dict[str, dict[str, dict]]:
-    """Per machine, per variant (first_touch, prefaulted, mlocked): each metric's values over the
-    repeats, "tensor_ms" (every tensor read of every repeat), "bytes", "tensor_bytes" and "locked"."""
-    out: dict[str, dict[str, dict]] = {}
-    for label, (_, recs) in by_machine("wired").items():
-        for r in recs:
-            d = out.setdefault(label, {}).setdefault(r["variant"], {"tensor_ms": []})
-            d.setdefault(r["metric"], []).append(r["value"])
-            d |= {"bytes": r["bytes"], "tensor_bytes": r["tensor_bytes"], "locked": r["locked"]}
-            if r["metric"] == "tensor_read_max_ms":
-                d["tensor_ms"] += r["samples"]
+def wired_recorded(run: Run) -> dict[str, dict]:
+    """One wired run, per variant (first_touch, prefaulted, mlocked): each metric's values over the repeats,
+    "tensor_ms" (every tensor read of every repeat), "bytes", "tensor_bytes" and "locked"."""
+    out: dict[str, dict] = {}
+    for r in run.select("wired"):
+        d = out.setdefault(r["variant"], {"tensor_ms": []})
+        d.setdefault(r["metric"], []).append(r["value"])
+        d |= {"bytes": r["bytes"], "tensor_bytes": r["tensor_bytes"], "locked": r["locked"]}
+        if r["metric"] == "tensor_read_max_ms":
+            d["tensor_ms"] += r["samples"]
     return out
 
 
-# ---- live readings: repeated, reported, never deciding -----------------------------------------------
-
-@functools.cache
-def measure_compile(rounds: int = LIVE_ROUNDS) -> tuple[latency.CompileCost, ...]:
-    """`latency.compile_cost` on this machine, `rounds` times, once per process: each round compiles a new
-    function of the same graph, so the first round pays what compiling it costs in this process (not a cold
-    one: imports came first) and later rounds find its kernel built."""
-    return tuple(latency.compile_cost(seed=i) for i in range(rounds))
-
-
-@functools.cache
-def measure_wired(nbytes: int = 16 << 20, tensor_bytes: int = 1 << 20, rounds: int = LIVE_ROUNDS) -> dict[str, list]:
-    """`loads.wired_reads` of a small buffer, `rounds` passes of each variant, once per process."""
-    out: dict[str, list] = {}
-    for w in wired_reads(nbytes, tensor_bytes, rounds):
-        out.setdefault(w.variant, []).append(w)
-    return out
-
+# ---- live readings (ref_impl.measure.latency): repeated, reported, never deciding ---------------------
 
 def live_phrase(live: dict[str, Number]) -> str:
     """The live readings as a clause of a summary."""
@@ -130,6 +109,7 @@ class FirstCalls:
     steady: dict[tuple[int, int], float]                # (process, run) -> a steady token's ms (median from the 3rd)
     process_s: dict[int, float]                         # process -> launch to exit, s
     compile_ms: dict[tuple[int, str], float] = field(default_factory=dict)   # mx.compile: (process, metric) -> ms
+    caption: str = ""                                   # the run they were recorded in (Run.caption)
 
     def paused(self, run: tuple[int, int]) -> list[float]:
         """The tokens of one run over PAUSE_FACTOR × its steady token (ms): its hitch."""
@@ -157,17 +137,18 @@ RUN_NAMES = {FRESH: "fresh process, empty kernel cache", CACHED: "second process
 
 
 def gather_first_calls(live: bool, with_live: bool = False) -> FirstCallEvidence | None:
-    """The recorded first-call runs, or None without a GPU's (the rules judge a backend that compiles)."""
+    """Each machine's reference first-call run, or None without a GPU's (the rules judge a backend that compiles)."""
     machines = tuple(FirstCalls(label, d["backend"], {k: tuple(v) for k, v in d["tokens"].items()}, dict(d["steady"]),
-                                dict(d["process_s"]), dict(d["compile"]))
-                     for label, d in first_call_recorded().items())
+                                dict(d["process_s"]), dict(d["compile"]), run.caption)
+                     for label, run in dispatch_runs("first-call").items()
+                     if (d := first_call_recorded(run)) is not None)
     if not any(m.backend != "cpu" for m in machines):
         return None
     if not (live and with_live):
         return FirstCallEvidence(machines)
-    costs = measure_compile()
+    costs = latency.measure_compile(LIVE_ROUNDS)
     return FirstCallEvidence(machines, {
-        f"live mx.compile first call of a new function": repeated([c.first_call_ms for c in costs], "ms"),
+        "live mx.compile first call of a new function": repeated([c.first_call_ms for c in costs], "ms"),
         "live mx.compile later calls, median": repeated([c.later_call_ms for c in costs], "ms")}, platform.machine())
 
 
@@ -191,7 +172,8 @@ def first_call_numbers(m: FirstCalls) -> dict[str, Number]:
 
 
 def first_call_source(e: FirstCallEvidence) -> str:
-    source = f"results/ (machines {', '.join(m.label for m in e.machines)}; experiment first-call)"
+    """Where C09's and C28's numbers come from: the live reading, each machine's first-call run, Apple's docs."""
+    source = "first-call: " + "; ".join(m.caption for m in e.machines)
     return (f"live ({e.live_machine}) and " if e.live else "") + f"{source}; {METAL_DOCS}"
 
 
@@ -343,6 +325,7 @@ class WiredReads:
     read_gbs: dict[str, float]                   # per variant, median over the repeats
     tensor_p99_ms: dict[str, float]              # per variant, over every tensor read of every repeat
     locked: bool                                 # the mlocked variant's mlock succeeded
+    caption: str = ""                            # the run they were recorded in (Run.caption)
 
 
 @dataclass(frozen=True)
@@ -356,19 +339,20 @@ VARIANTS = ("first_touch", "prefaulted", "mlocked")
 
 
 def gather_c15(live: bool) -> WiredEvidence | None:
-    rec = wired_recorded()
-    if not rec:
-        return None
+    """Each machine's reference wired run, and with `live` this machine's reads (latency.measure_wired, shown only);
+    None without a recorded run."""
     machines = tuple(WiredReads(label, v["first_touch"]["bytes"], v["first_touch"]["tensor_bytes"],
                                 {k: tuple(v[k]["minor_faults"]) for k in VARIANTS},
                                 sum(sum(v[k]["major_faults"]) for k in VARIANTS),
                                 {k: float(np.median(v[k]["read_bandwidth"])) for k in VARIANTS},
                                 {k: float(np.percentile(v[k]["tensor_ms"], 99)) for k in VARIANTS},
-                                bool(v["mlocked"]["locked"]))
-                     for label, v in rec.items())
+                                bool(v["mlocked"]["locked"]), run.caption)
+                     for label, run in dispatch_runs("wired").items() for v in [wired_recorded(run)])
+    if not machines:
+        return None
     if not live:
         return WiredEvidence(machines)
-    w = measure_wired()
+    w = latency.measure_wired(rounds=LIVE_ROUNDS)
     mib = w["first_touch"][0].buffer_bytes >> 20
     ev = {f"live first touch of {mib} MiB: minor page faults":
           repeated([r.minor_faults for r in w["first_touch"]], "faults")}
@@ -416,7 +400,7 @@ def judge_c15(e: WiredEvidence) -> Verdict:
                "set by the tensor's bytes over the bandwidth, wired or not" + (live_phrase(e.live) if e.live else ""))
     ev = {k: n for m in e.machines for k, n in wired_numbers(m).items()} | e.live
     most = max(max(max(m.minor_faults["prefaulted"]), max(m.minor_faults["mlocked"])) for m in e.machines)
-    source = f"results/ (machines {', '.join(m.label for m in e.machines)}; experiment wired)"
+    source = "wired: " + "; ".join(m.caption for m in e.machines)
     return Verdict("not testable here", summary + ".", ev,
                    f"macOS-specific; on Linux, resident pages (prefaulted or mlocked) read with at most "
                    f"{plural(most, 'fault')}, and mlock's guarantee matters only under memory pressure, which was "
@@ -457,10 +441,12 @@ class CacheRun:
 
 @dataclass(frozen=True)
 class KVJitter:
-    """C02's evidence: per (machine, model), the static, chunked and concat runs; per machine, the measured copy
-    bandwidth (GB/s), where recorded."""
+    """C02's evidence: per (machine, model), the static, chunked and concat runs; per machine, the caption of its
+    kv-jitter run and the measured bandwidth (GB/s, `records.bandwidth`) with the caption of the run it was
+    measured in, where its machine recorded one."""
     runs: dict[tuple[str, str], dict[str, CacheRun]]
-    copy_gbs: dict[str, float] = field(default_factory=dict)
+    bandwidth: dict[str, tuple[float, str]] = field(default_factory=dict)
+    captions: dict[str, str] = field(default_factory=dict)
 
 
 STRATEGIES = ("static", "chunked", "concat")
@@ -483,18 +469,29 @@ def cache_run(d: dict) -> CacheRun:
                     sum(any(abs(p - g) <= 1 for g in growth) for p in pauses), growth_share(d["itl"], d["prompt_len"]))
 
 
+def machine_bandwidth(run: Run) -> tuple[float, str] | None:
+    """(GB/s, caption of the run it was measured in): the measured bandwidth a copy on `run`'s machine is timed
+    against (`records.bandwidth`), or None where that machine recorded no memory probe."""
+    try:
+        gbs, source = records.bandwidth(run, core.RESULTS_DIR)
+    except LookupError:
+        return None
+    return gbs, source.caption
+
+
 def gather_c02(live: bool) -> KVJitter | None:
-    """Every recorded (machine, model) with all three strategies, or None when there is none."""
+    """Every (machine, model) of each machine's reference kv-jitter run with all three strategies, or None when
+    there is none."""
+    kv_runs = dispatch_runs("kv-jitter")
+    by_label = {label: kv_recorded(run) for label, run in kv_runs.items()}
     runs = {(label, model): {s: cache_run(by[model, s]) for s in STRATEGIES}
-            for label, by in kv_recorded().items() for model in dict.fromkeys(m for m, _ in by)
+            for label, by in by_label.items() for model in dict.fromkeys(m for m, _ in by)
             if all((model, s) in by for s in STRATEGIES)}
     if not runs:
         return None
-    copy: dict[str, list[float]] = {}
-    for _, machine, r in results("bandwidth"):
-        if r.get("variant") == "copy" and r.get("peer") is None:
-            copy.setdefault(machine["label"], []).append(r["value"])
-    return KVJitter(runs, {label: float(np.median(v)) for label, v in copy.items()})
+    labels = dict.fromkeys(label for label, _ in runs)
+    bandwidth = {label: bw for label in labels if (bw := machine_bandwidth(kv_runs[label])) is not None}
+    return KVJitter(runs, bandwidth, {label: kv_runs[label].caption for label in labels})
 
 
 def c02_numbers(e: KVJitter, order: list[tuple[str, str]], worst: tuple[str, str]) -> dict[str, Number]:
@@ -516,9 +513,10 @@ def c02_numbers(e: KVJitter, order: list[tuple[str, str]], worst: tuple[str, str
                f"{s}: longest ITL ({tag})": Number(r[s].max_ms, "ms"),
                f"{s}: cache at the end ({tag})": Number(r[s].cache_mb, "MB"),
                f"{s}: peak memory above the weights ({tag})": Number(r[s].peak_mb, "MB")}
-    if label in e.copy_gbs:
-        ev[f"copying the whole chunked cache once at the measured copy bandwidth ({label})"] = Number(
-            2 * r["chunked"].cache_mb / e.copy_gbs[label], "ms")      # read and write: MB / (GB/s) = ms
+    if label in e.bandwidth:
+        ev[f"measured bandwidth ({label})"] = Number(e.bandwidth[label][0], "GB/s")
+        ev[f"copying the whole chunked cache once at the measured bandwidth ({label})"] = Number(
+            2 * r["chunked"].cache_mb / e.bandwidth[label][0], "ms")      # read and write: MB / (GB/s) = ms
     return ev
 
 
@@ -544,10 +542,10 @@ def judge_c02(e: KVJitter) -> Verdict:
     if rest and dominated:
         span = {figure(100 * min(rest)), figure(100 * max(rest))}
         summary += f"; in the other {plural(len(rest), 'run')} they carry {'-'.join(sorted(span, key=float))}%"
-    if label in e.copy_gbs:
-        copy_ms = 2 * ch.cache_mb / e.copy_gbs[label]
-        summary += (f"; copying that whole cache once takes {figure(copy_ms)} ms at {label}'s measured copy bandwidth, "
-                    f"{ch.max_ms / copy_ms:,.0f}× less than its longest ITL")
+    if label in e.bandwidth:
+        copy_ms = 2 * ch.cache_mb / e.bandwidth[label][0]
+        summary += (f"; copying that whole cache once takes {figure(copy_ms)} ms at {label}'s measured bandwidth "
+                    f"({figure(e.bandwidth[label][0])} GB/s), {ch.max_ms / copy_ms:,.0f}× less than its longest ITL")
     static_pauses = sum(e.runs[k]["static"].pauses for k in order)
     summary += (f"; the static cache, allocated before decoding, paused {plural(static_pauses, 'time')} across the "
                 f"{len(order)} runs ({st.pauses} in that one, longest ITL {figure(st.max_ms)} ms, p99 "
@@ -569,9 +567,10 @@ def judge_c02(e: KVJitter) -> Verdict:
                               + ("; in the other runs the jitter has other causes" if rest else ""),
                  "refuted": f"none: in no recorded run do growth thresholds carry over half the ITL variance "
                             f"(at most {top:.0%})"}[status]
-    return Verdict(status, summary + ".", c02_numbers(e, order, worst), condition,
-                   f"results/ (machines {', '.join(dict.fromkeys(lb for lb, _ in order))}; experiments kv-jitter"
-                   + (", bandwidth)" if e.copy_gbs else ")"))
+    source = "kv-jitter: " + "; ".join(e.captions.values())
+    if e.bandwidth:
+        source += "; measured bandwidth: " + "; ".join(c for _, c in e.bandwidth.values())
+    return Verdict(status, summary + ".", c02_numbers(e, order, worst), condition, source)
 
 
 C02 = claim("C02", "dispatch", gather_c02, judge_c02,

@@ -1,12 +1,13 @@
 """Chapter dispatch, TTFT and jitter (book/dispatch/ttft-jitter): C16, and what a pause is.
 
-The recorded kv-jitter runs (every inter-token latency of a static, a chunked and a concat KV cache)
-answer C16, the KV cache standing in for a workspace allocated before the loop, every step, or at
-growth steps; the caching chapter's C02 reads the same runs. Both count pauses by the one definition
-here (`find_pauses`): an inter-token latency over PAUSE_FACTOR times its run's median. C02 says the
-jitter is caused by pauses at context thresholds, so a pause must stand apart from the jitter itself:
-the factor sits above the spread that a static cache, which neither allocates nor crosses a
-threshold, shows on its own. A chunked cache grows every GROWTH_STEP positions.
+Each machine's reference kv-jitter run (`dispatch_runs`: every inter-token latency of a static, a
+chunked and a concat KV cache) answers C16, the KV cache standing in for a workspace allocated
+before the loop, every step, or at growth steps; the caching chapter's C02 reads the same runs.
+Both count pauses by the one definition here (`find_pauses`): an inter-token latency over
+PAUSE_FACTOR times its run's median. C02 says the jitter is caused by pauses at context thresholds,
+so a pause must stand apart from the jitter itself: the factor sits above the spread that a static
+cache, which neither allocates nor crosses a threshold, shows on its own. A chunked cache grows
+every GROWTH_STEP positions.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ref_impl.ledger.core import Number, Verdict, claim, decide, results
+from ref_impl.ledger.core import Number, Verdict, claim, decide
+from ref_impl.ledger.dispatch import dispatch_runs
 
 GROWTH_STEP = 256   # kvcache.ChunkedKVCache's default step, mlx-lm's KVCache.step
 PAUSE_FACTOR = 10   # an inter-token latency over PAUSE_FACTOR × its run's median is a pause
@@ -30,7 +32,7 @@ def find_pauses(itl_ms: np.ndarray | list[float], factor: float = PAUSE_FACTOR) 
 @dataclass(frozen=True)
 class JitterTrace:
     """One recorded kv-jitter run: every inter-token latency of one KV-cache strategy on one machine."""
-    file: str
+    caption: str                # the run it was recorded in (Run.caption)
     machine: str                # results label, e.g. "h200"
     backend: str                # "cuda" or "cpu"
     model: str
@@ -50,16 +52,11 @@ class JitterTrace:
 
 
 def jitter_traces() -> list[JitterTrace]:
-    """The kv-jitter `itl_ms` traces in results/, the newest file of each machine; prompt_len is the
+    """The `itl_ms` traces of each machine's reference kv-jitter run (`dispatch_runs`); prompt_len is the
     record's context (prompt + generated tokens) less the ITLs less one."""
-    rows = [(name, m, r) for name, m, r in results("kv-jitter")
-            if r["metric"] == "itl_ms" and r["samples"] and r.get("peer") is None]
-    newest = {}
-    for name, m, _ in rows:
-        newest[m["label"]] = max(newest.get(m["label"], name), name)
-    return [JitterTrace(name, m["label"], m["backend"], r["model"], r["variant"], r["context"] - len(r["samples"]) - 1,
-                        np.array(r["samples"], dtype=float))
-            for name, m, r in rows if newest[m["label"]] == name]
+    return [JitterTrace(run.caption, label, run.machine["backend"], r["model"], r["variant"],
+                        r["context"] - len(r["samples"]) - 1, np.array(r["samples"], dtype=float))
+            for label, run in dispatch_runs("kv-jitter").items() for r in run.select(metric="itl_ms") if r["samples"]]
 
 
 def growth_positions(prompt_len: int, end: int, step: int = GROWTH_STEP) -> list[int]:
@@ -105,11 +102,11 @@ class CacheRuns:
 @dataclass(frozen=True)
 class C16Evidence:
     runs: tuple[CacheRuns, ...]
-    files: tuple[str, ...]
+    captions: tuple[str, ...]           # the kv-jitter runs read (Run.caption)
 
 
 def gather_c16(live: bool) -> C16Evidence | None:
-    """The recorded kv-jitter runs, per machine and model with all three caches; None without a GPU's."""
+    """Each machine's reference kv-jitter run, per model with all three caches; None without a GPU's."""
     traces = {(t.machine, t.model, t.strategy): t for t in jitter_traces()}
     runs = []
     for machine, model in sorted({(m, mo) for m, mo, _ in traces}):
@@ -123,7 +120,7 @@ def gather_c16(live: bool) -> C16Evidence | None:
                               len(p["off_threshold"])))
     if not any(r.backend != "cpu" for r in runs):
         return None
-    return C16Evidence(tuple(runs), tuple(sorted({t.file for t in traces.values()})))
+    return C16Evidence(tuple(runs), tuple(sorted({t.caption for t in traces.values()})))
 
 
 def judge_c16(e: C16Evidence) -> Verdict:
@@ -186,8 +183,7 @@ def judge_c16(e: C16Evidence) -> Verdict:
                         "; per-step allocation cost something on every GPU model")
                      + "; lock contention not measured"}[status]
     return Verdict(status, summary, ev, condition,
-                   "; ".join(f"results/{f}" for f in e.files) + " (kv-jitter records: every inter-token latency, "
-                   "async_eval pipelined)")
+                   "kv-jitter (every inter-token latency, async_eval pipelined): " + "; ".join(e.captions))
 
 
 C16 = claim("C16", "dispatch", gather_c16, judge_c16,

@@ -1,15 +1,17 @@
 """Chapter GGUF layout (book/kquants/gguf-layout): C10 and C32, what GGUF's 32-byte alignment buys.
 
-The shipped model's tensor offsets and the quantized blocks' sizes give the layout facts; the
-recorded alignment sweep (results/, experiment "alignment": numpy sums and GEMVs over float32
-buffers at 0, 1, 4, 16, 32 and 64 bytes past a cache line, in L2 and from DRAM) gives the penalty
-the alignment is said to avoid, and decides. With `live=True` the same sweep runs here a few
-times and is shown beside the recorded one, with its spread; it never decides.
+The shipped model's tensor offsets and the quantized blocks' sizes give the layout facts; each machine's
+reference alignment sweep (results/, experiment "alignment", read by `loads.recorded_sweeps`: numpy sums
+and GEMVs over float32 buffers at 0, 1, 4, 16, 32 and 64 bytes past a cache line, in L2 and from DRAM)
+gives the penalty the alignment is said to avoid, and decides. With `live=True` gather also asks
+`loads.measure_alignment` for the same sweep, repeated on this machine, and shows it beside the recorded
+one with its spread; it never decides.
+
+See chapter: gguf
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import platform
 from dataclasses import dataclass
@@ -18,20 +20,11 @@ from ref_impl.formats import ggml, gguf
 from ref_impl.ledger import core
 from ref_impl.ledger.core import SHIPPED_MODEL, Number, Verdict, claim, decide, repeated
 from ref_impl.measure import loads
+from ref_impl.measure.loads import measure_alignment
 
 LINE, LOAD = 64, 32          # bytes in an x86-64 cache line; bytes in one 256-bit (AVX) load
 BLOCK_TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q6_K")
-LIVE_SWEEPS = 3              # live sweeps, each with its own buffers: the spread beside the median
 PENDING = ("the GGUF chapter's alignment sweep", "python -m ref_impl bench --alignment --label my-machine")
-
-
-@functools.cache
-def measure_alignment(sweeps: int = LIVE_SWEEPS, budget_s: float = 0.6) -> tuple:
-    """`sweeps` independent numpy sweeps on this machine (loads.throughput_sweep, one BLAS thread, the
-    chapter's offsets and buffer sizes), each a tuple of loads.Throughput rows."""
-    return tuple(tuple(loads.throughput_sweep(loads.SWEEP_OFFSETS, loads.sweep_sizes(), ("numpy",),
-                                              ("sum", "gemv"), budget_s=budget_s, seed=k))
-                 for k in range(sweeps))
 
 
 @dataclass(frozen=True)
@@ -87,12 +80,12 @@ def gather_alignment(live: bool) -> AlignmentEvidence | None:
         return None
     with gguf.read(SHIPPED_MODEL) as f:
         offsets = [t.offset for t in f.tensors.values()]
-    files = "; ".join(f"results/{m['file']} ({label}: {m['cpu']}, numpy's BLAS {m['numpy_blas']})"
-                      for label, (m, _) in sorted(sweeps.items()))
+    runs = "; ".join(f"{s.run.caption}: {s.run.machine['cpu']}, numpy's BLAS {s.numpy_blas}"
+                     for _, s in sorted(sweeps.items()))
     aligned = 100 * sum(o % LOAD == 0 for o in offsets) / len(offsets)
     return AlignmentEvidence(gguf.DEFAULT_ALIGNMENT, len(offsets), aligned,
-                             block_alignment(), {label: split_loads(rows) for label, (_, rows) in sweeps.items()},
-                             files, tuple(split_loads(rows) for rows in measure_alignment()) if live else ())
+                             block_alignment(), {label: split_loads(s.rows) for label, s in sweeps.items()},
+                             runs, tuple(split_loads(rows) for rows in measure_alignment()) if live else ())
 
 
 def recorded_evidence(ev: AlignmentEvidence) -> dict[str, Number]:

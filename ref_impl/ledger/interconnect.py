@@ -3,7 +3,10 @@
 No Thunderbolt hardware runs here, but each claim is decided by what does: the PCIe Gen4 x4 payload
 ceiling and USB4's encapsulation by arithmetic, a published TB5 eGPU measurement (interconnect.MEASURED),
 weights streamed over the link by arithmetic, and a native PCIe link's recorded transfers (`bench --link`
-on the H200) for the cost of a handshake per layer, beside a seeded simulation of a TB5 link.
+on the H200, its reference run: `records.reference`) for the cost of a handshake per layer, beside a seeded
+simulation of a TB5 link. Nothing here is timed.
+
+See chapter: interconnect
 """
 
 from __future__ import annotations
@@ -11,7 +14,10 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from ref_impl.ledger.core import TABLES, Number, Verdict, claim, decide, results
+from ref_impl.ledger import core
+from ref_impl.ledger.core import TABLES, Number, Verdict, claim, decide
+from ref_impl.measure import records
+from ref_impl.measure.records import Run
 from ref_impl.theory import interconnect as ic
 from ref_impl.theory import roofline, shapes
 
@@ -22,23 +28,22 @@ IC_SOURCES = ("PCIe Base Specification 3.0 (128b/130b, framing); Intel AN 456 (5
               "Intel, 'Intel Introduces Thunderbolt 5 Connectivity Standard' (2023-09-12); USB4 Specification v2.0")
 STREAM_MODELS = ("Llama-3.2-3B", "Llama-3.1-8B", "Qwen3-8B", "Gemma-3-12B", "Qwen3-32B")
 STREAM_CARD = "RTX 4090"                       # the VRAM bandwidth of the streaming arithmetic (roofline.HARDWARE)
+LINK_GPU = "h200"                              # the reference machine whose native PCIe link C07 and C25 read
 
 
 # ---- the recorded link (bench --link) ----------------------------------------------------------------
 
-def link_records() -> tuple[str, dict[tuple[str, str, int | None], dict]] | None:
-    """(machine label, {(variant, metric, bytes): record}) of the last results file with host-device
-    link records (`bench --link` where PyTorch saw a GPU), or None."""
-    by_file: dict[str, tuple[str, dict]] = {}
-    for name, machine, r in results("link"):
-        by_file.setdefault(name, (machine["label"], {}))[1][r["variant"], r["metric"], r.get("bytes")] = r
-    gpu = [v for v in by_file.values() if any(k[1] == "completion_ms" for k in v[1])]
-    return gpu[-1] if gpu else None
+def link_records() -> tuple[Run, dict[tuple[str, str, int | None], dict]] | None:
+    """(the Run, {(variant, metric, bytes): record}) of LINK_GPU's reference link run (`records.reference`),
+    or None where it recorded no host-device transfers (`bench --link` where PyTorch saw no GPU)."""
+    run = records.reference("link", LINK_GPU, core.RESULTS_DIR)
+    if run is None or not run.select("link", metric="completion_ms"):
+        return None
+    return run, {(r["variant"], r["metric"], r.get("bytes")): r for r in run.records}
 
 
-def link_recorded() -> tuple[str, dict[tuple[str, str, int | None], float]] | None:
-    """(machine label, {(variant, metric, bytes): value}) of the last results file with host-device
-    link records, or None."""
+def link_recorded() -> tuple[Run, dict[tuple[str, str, int | None], float]] | None:
+    """(the Run, {(variant, metric, bytes): value}) of `link_records`, or None."""
     rec = link_records()
     return None if rec is None else (rec[0], {k: r["value"] for k, r in rec[1].items()})
 
@@ -49,13 +54,13 @@ def native_link_efficiency() -> tuple[str, float, float, int, int] | None:
     rec = link_recorded()
     if rec is None:
         return None
-    label, v = rec
+    run, v = rec
     gen, lanes = (int(v.get(("nvidia-smi", f"pcie_link_{k}_max", None), 0)) for k in ("gen", "width"))
     h2d = {b: x for (var, m, b), x in v.items() if var == "h2d pinned" and m == "copy_bandwidth"}
     if not h2d or gen not in ic.GT_PER_LANE or not lanes:
         return None
     best = h2d[max(h2d)]
-    return label, best, best / ic.payload_gbs(gen, lanes, 256), gen, lanes
+    return run.label, best, best / ic.payload_gbs(gen, lanes, 256), gen, lanes
 
 
 # ---- C07 ------------------------------------------------------------------------------------------
@@ -70,13 +75,15 @@ class TunnelCeiling:
     ceilings: dict[int, float]              # TLP payload bytes -> GB/s of payload
     measured: dict[str, float]              # ic.MEASURED: published TB5 and OCuLink copy rates
     native: tuple[str, float, float, int, int] | None = None   # native_link_efficiency(), where recorded
+    native_source: str = ""                 # the caption of the run it comes from
 
 
 def gather_c07(live: bool) -> TunnelCeiling:
     gen, lanes = ic.TB5_PCIE
+    rec = link_records()
     return TunnelCeiling(ic.TB5_PCIE, ic.raw_gbs(gen, lanes), ic.coded_gbs(gen, lanes),
                          {p: ic.payload_gbs(gen, lanes, p) for p in (64, 128, 256, 512)}, dict(ic.MEASURED),
-                         native_link_efficiency())
+                         native_link_efficiency(), rec[0].caption if rec else "")
 
 
 def judge_c07(e: TunnelCeiling) -> Verdict:
@@ -107,7 +114,7 @@ def judge_c07(e: TunnelCeiling) -> Verdict:
                "that share applied to Gen4 x4": Number(eff * hi, "GB/s")}
         summary += (f"; a native Gen{gen} x{lanes} link ({label}, recorded) reaches {100 * eff:.0f}% of its "
                     f"protocol ceiling with pinned memory, which on Gen4 x4 would be {eff * hi:.2f} GB/s")
-        source += f"; results/ (machine {label})"
+        source += f"; {e.native_source or label} (experiment link)"
     return Verdict(decide(best >= lo, not gen4x4 or not lo <= C07_GBS <= hi or best > hi), summary + ".", ev,
                    f"as the protocol's ceiling with 128-256-byte TLPs ({lo:.2f}-{hi:.2f} GB/s); measured "
                    f"transfers through a TB5 controller pair reached {best} GB/s, {100 * best / lo:.0f}% of its low "
@@ -295,6 +302,7 @@ class Transfers:
     credit_bytes: int
     bdp_bytes: float
     simulated: dict[str, float]             # "64 x 64 KiB" -> p99 per-layer / p99 one transfer
+    source: str = ""                        # the caption of the recorded run
 
 
 def simulated_ratios(link: ic.Link, layers: int = 64) -> dict[str, float]:
@@ -312,17 +320,17 @@ def gather_c25(live: bool) -> Transfers | None:
     native = native_link_efficiency()
     if rec is None or native is None:
         return None
-    label, v = rec
+    run, v = rec
     many = next((r for k, r in v.items() if k[1] == "completion_ms" and "sync each" in k[0]), None)
     one = next((r for k, r in v.items() if k[1] == "completion_ms" and "one transfer" in k[0]), None)
     small = next((r for k, r in v.items() if k[1] == "transfer_us"), None)
     if not (many and one and small and many["samples"] and one["samples"] and "p99_us" in small):
         return None
     link = ic.Link()
-    return Transfers(label, many["transfers"], many["bytes"], tuple(many["samples"]), tuple(one["samples"]),
+    return Transfers(run.label, many["transfers"], many["bytes"], tuple(many["samples"]), tuple(one["samples"]),
                      small["bytes"], small["value"], small["p99_us"], native[1], link.retimers,
                      1e3 / ic.GT_PER_LANE[ic.TB5_PCIE[0]], link.credit_bytes,
-                     link.payload_gbs * link.rtt_us * 1e3, simulated_ratios(link))
+                     link.payload_gbs * link.rtt_us * 1e3, simulated_ratios(link), run.caption)
 
 
 def judge_c25(e: Transfers) -> Verdict:
@@ -366,7 +374,7 @@ def judge_c25(e: Transfers) -> Verdict:
                    f"{100 * (ratio - 1):+.0f}%); "
                    + ("retimer jitter is large enough to explain the variation of a transfer's completion" if cause else
                       "the variation comes from the host's side of the handshake, not retimer jitter or credits"),
-                   f"results/ (machine {e.label}; experiment link); interconnect.simulate_transfers (seed 0, "
+                   f"{e.source or e.label} (experiment link); interconnect.simulate_transfers (seed 0, "
                    "2000 runs; stated TB5 assumptions)")
 
 

@@ -2,7 +2,10 @@
 
 Q4_K's block layout counted from ggml's table and the engine's packing, its rounding error against
 Q4_0's at the same bits for every matrix of the shipped model, llama.cpp's Llama-3-8B perplexity
-scoreboard, and the recorded quant and decode-shape runs.
+scoreboard, and the reference runs of the quant and decode-shape suites (`quant_runs`, `shape_decodes`),
+which the chapter's tables read too.
+
+See chapter: kquants
 """
 
 from __future__ import annotations
@@ -14,7 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ref_impl.formats import ggml, gguf, kquants, quantize
-from ref_impl.ledger.core import SHIPPED_MODEL, Number, Verdict, claim, decide, results
+from ref_impl.ledger import core
+from ref_impl.ledger.core import SHIPPED_MODEL, Number, Verdict, claim, decide
+from ref_impl.measure import records
+from ref_impl.measure.records import Run
 
 # llama.cpp tools/perplexity/README.md, "LLaMA 3 8b Scoreboard" (revision f364eb6f, wikitext-2, no importance
 # matrix): file type -> (model size in GiB, perplexity). Its Q4_K_M row is quantize.cpp's "+0.1754 ppl".
@@ -48,7 +54,8 @@ def q4_k_block() -> SuperBlock:
 @functools.cache
 def matrix_errors() -> dict[str, dict[str, float]]:
     """Relative RMS error of Q4_K and Q4_0 (both 4.5 bits per weight) for every layer matrix of the shipped
-    model, by tensor name; deterministic arithmetic, no timing (K-quant blocks run across its 384-wide rows)."""
+    model, by tensor name; deterministic arithmetic, cached because both claims and the chapter use it
+    (K-quant blocks run across its 384-wide rows)."""
     with gguf.read(SHIPPED_MODEL) as f:
         return {name: {fmt: quantize.relative_error(f.array(name), fmt) for fmt in ("Q4_K", "Q4_0")}
                 for name, t in f.tensors.items() if len(t.shape) == 2 and name.startswith("blk.")}
@@ -120,7 +127,7 @@ def judge_c19(ev: NoiseEvidence) -> Verdict:
                               "attention as a whole",
                  "refuted": "none: " + ("the layout differs" if not layout else "no noise reduction in attention")}
     return Verdict(status, f"{lead}: {facts}; {cut}.", evidence, condition[status],
-                   "ggml-common.h block_q4_K; the shipped model's weights (blocks across rows); no timing")
+                   "ggml-common.h block_q4_K; the shipped model's weights (blocks across rows); arithmetic only")
 
 
 C19 = claim("C19", "kquants", gather_c19, judge_c19,
@@ -136,6 +143,51 @@ C19 = claim("C19", "kquants", gather_c19, judge_c19,
                  "(the claim singles attention out); qualified otherwise: less noise everywhere, not there in "
                  "particular.",
             outcomes=("confirmed", "qualified", "refuted"))
+
+
+SHAPE = "Llama-3.1-8B"      # the decode-shape suite's model: that shape with random weights (bench --shape)
+
+
+def quant_runs() -> dict[str, Run]:
+    """Per machine label, the shipped model's reference quant run (bench --quant): its file sizes, held-out
+    perplexities and decode speeds, peers' included, all from one run."""
+    return records.references("quant", core.RESULTS_DIR, model=SHIPPED_MODEL.stem)
+
+
+@dataclass(frozen=True)
+class ShapeDecode:
+    """One weight type's recorded decode of Llama-3.1-8B's shape on one machine (bench --shape), and the
+    measured bandwidth of its run (`records.bandwidth`) that its share is divided by."""
+    weights: str
+    run: Run
+    bits_per_weight: float
+    bytes_per_token: float
+    tokens_per_s: float
+    bandwidth_gbs: float
+    bandwidth_run: Run          # the run whose memory probes gave it: `run` itself where it recorded them
+
+    @property
+    def share(self) -> float:
+        """Bytes read per second (tok/s x bytes per decode step) over the run's measured bandwidth."""
+        return self.tokens_per_s * self.bytes_per_token / 1e9 / self.bandwidth_gbs
+
+
+def shape_decodes(label: str) -> dict[str, ShapeDecode]:
+    """Per weight type recorded on `label`, its reference decode-shape run's decode: the newest complete run
+    that holds the type, since one bench --shape run records the types it was given (the H200's five types are
+    two runs)."""
+    types = {r["weights"]: None for run in records.runs("decode-shape", core.RESULTS_DIR, model=SHAPE, peer=None)
+             if run.label == label for r in run.records}
+    out = {}
+    for wt in types:
+        run = records.reference("decode-shape", label, core.RESULTS_DIR, model=SHAPE, weights=wt, peer=None)
+        if run is None:
+            continue
+        gbs, source = records.bandwidth(run, core.RESULTS_DIR)
+        value = {m: run.value("decode-shape", m) for m in ("bits_per_weight", "bytes_per_token", "tokens_per_s")}
+        out[wt] = ShapeDecode(wt, run, value["bits_per_weight"], value["bytes_per_token"], value["tokens_per_s"], gbs,
+                              source)
+    return out
 
 
 @dataclass(frozen=True)
@@ -154,28 +206,32 @@ class Q4KMEvidence:
 
 
 def gather_c11(live: bool) -> Q4KMEvidence | None:
-    """llama.cpp's scoreboard, the shipped model's recorded quant run and the recorded decode-shape run
+    """llama.cpp's scoreboard, the shipped model's reference quant run (the first machine's whose run scored
+    F16 and Q4_K_M) and the reference decode-shape runs of F16 and Q4_K_M on a machine that recorded both
     (None when either is missing)."""
-    quant = {(m["label"], r["weights"], r["metric"]): r for _, m, r in results("quant")
-             if r["peer"] is None and r["model"] == SHIPPED_MODEL.stem and r.get("variant") is None}
-    label = next((lab for lab, w, metric in quant if (w, metric) == ("Q4_K_M", "heldout_perplexity")
-                  and (lab, "F16", "heldout_perplexity") in quant), None)
-    shape = {(m["label"], r["weights"], r["metric"]): r["value"] for _, m, r in results("decode-shape")}
-    gpu = next((lab for lab, w, _ in shape if w == "Q4_K_M" and (lab, "F16", "bytes_per_token") in shape), None)
-    if label is None or gpu is None:
+    scored = {label: run for label, run in quant_runs().items()
+              if all(run.select("quant", weights=w, metric="heldout_perplexity", peer=None) for w in ("F16", "Q4_K_M"))}
+    decodes = {label: shape_decodes(label) for label in records.references("decode-shape", core.RESULTS_DIR,
+                                                                            model=SHAPE, peer=None)}
+    decodes = {label: d for label, d in decodes.items() if {"F16", "Q4_K_M"} <= d.keys()}
+    if not scored or not decodes:
         return None
+    label, gpu = min(scored), min(decodes)
+    run, (f16, q4) = scored[label], (decodes[gpu][w] for w in ("F16", "Q4_K_M"))
+    ppl_records = [run.select("quant", weights=w, metric="heldout_perplexity", peer=None)[0] for w in ("F16", "Q4_K_M")]
     (g16, p16), (g4, p4) = LLAMA3_8B_SCOREBOARD["F16"], LLAMA3_8B_SCOREBOARD["Q4_K_M"]
-    ppl, nbytes = (tuple(quant[label, w, metric]["value"] for w in ("F16", "Q4_K_M"))
-                   for metric in ("heldout_perplexity", "tensor_bytes"))
-    s = {metric: tuple(shape[gpu, w, metric] for w in ("F16", "Q4_K_M"))
-         for metric in ("bytes_per_token", "tokens_per_s", "bandwidth_fraction")}
+    nbytes = tuple(run.value("quant", "tensor_bytes", weights=w, peer=None) for w in ("F16", "Q4_K_M"))
+    shape_runs = sorted({d.run.caption for d in (f16, q4)} | {d.bandwidth_run.caption for d in (f16, q4)})
     return Q4KMEvidence(
         q4_k_block(),
-        {"Llama-3-8B (llama.cpp's scoreboard)": (p16, p4), f"stdlib-10m (measured, {label})": ppl},
+        {"Llama-3-8B (llama.cpp's scoreboard)": (p16, p4), f"stdlib-10m (measured, {label})":
+            tuple(r["value"] for r in ppl_records)},
         {"Llama-3-8B file (llama.cpp's scoreboard)": (g16, g4), f"stdlib-10m tensors (measured, {label})": nbytes,
-         f"Llama-3.1-8B-shaped decode step (measured, {gpu})": s["bytes_per_token"]},
-        dict(quant[label, "Q4_K_M", "tensor_bytes"].get("mix", {})), s["tokens_per_s"], s["bandwidth_fraction"], gpu,
-        f"results/ (quant: {label}; decode-shape: {gpu}); llama.cpp tools/perplexity/README.md (LLaMA 3 8b Scoreboard)")
+         f"Llama-3.1-8B-shaped decode step (measured, {gpu})": (f16.bytes_per_token, q4.bytes_per_token)},
+        dict(run.select("quant", weights="Q4_K_M", metric="tensor_bytes", peer=None)[0].get("mix", {})),
+        (f16.tokens_per_s, q4.tokens_per_s), (f16.share, q4.share), gpu,
+        f"quant: {run.caption}, {records.perplexity_text(ppl_records[0], run)}; decode-shape and its measured "
+        f"bandwidth: {'; '.join(shape_runs)}; llama.cpp tools/perplexity/README.md (LLaMA 3 8b Scoreboard)")
 
 
 def shipped_mix(mix: dict[str, int]) -> str:

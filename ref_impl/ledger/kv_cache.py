@@ -1,9 +1,12 @@
 """Chapter KV cache (book/kv-cache/kv-quantization): C05, C12, C17, C20 and C30.
 
 The memory side by the caches' real nbytes on public shapes; quality (perplexity, needle retrieval)
-and unified-memory facts from the recorded kv-ppl, kv-needle and unified runs; the shipped model's
-key and value magnitudes counted for outlier channels (arithmetic on its weights, the same in either
-build). Each claim's evidence is a small record its judge reads, so the tests can build one by hand.
+and unified-memory facts from each machine's reference kv-ppl, kv-needle and unified runs
+(`records.references`); the shipped model's key and value magnitudes counted for outlier channels
+(arithmetic on its weights, the same in either build). Nothing here is timed. Each claim's evidence is a
+small record its judge reads, so the tests can build one by hand.
+
+See chapter: kv-cache
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ import numpy as np
 from ref_impl.engine import kvquant
 from ref_impl.engine.checkpoint import load
 from ref_impl.engine.kvquant import FLOAT, outlier_channels, scheme_bytes
-from ref_impl.ledger.core import SHIPPED_MODEL, Number, Verdict, by_machine, claim, decide
+from ref_impl.ledger import core
+from ref_impl.ledger.core import SHIPPED_MODEL, Number, Verdict, claim, decide
 from ref_impl.measure import kv as kvq
+from ref_impl.measure import records
 from ref_impl.measure.records import FLOAT_KV
 from ref_impl.theory import interconnect, shapes
 from ref_impl.training.corpus import heldout_stream
@@ -36,18 +41,28 @@ KEY_WINDOW = (1000, 1512)   # the held-out tokens the chapter's magnitudes are m
 
 
 def kv_quality_recorded() -> dict[str, dict]:
-    """Per machine (the one with the most perplexity windows first): {"ppl": {scheme: ppl}, "delta":
-    {scheme: ppl - float ppl}, "windows", "needle": {(distance, scheme): rate}, "hits": {(distance,
-    scheme): per-trial 0/1}, "control": {distance: rate}} (the float cache under kvquant's scheme name
-    FLOAT) from the newest kv-ppl and kv-needle records."""
+    """Per machine, from its reference kv-ppl and kv-needle runs (`records.references`; first the machines
+    whose perplexities were scored on the shipped model's own held-out text, then by tokens scored):
+    {"ppl": {scheme: ppl}, "delta": {scheme: ppl - float ppl}, "windows", "tokens", "own_text" (scored on the
+    held-out text of the model's training corpus), "text" (how a page names the float cache's perplexity:
+    `records.perplexity_text`), "run" and "needle_run" (the Runs read), "needle": {(distance, scheme): rate},
+    "hits": {(distance, scheme): per-trial 0/1}, "control": {distance: rate}} (the float cache under
+    kvquant's scheme name FLOAT)."""
     out: dict[str, dict] = {}
     for exp in ("kv-ppl", "kv-needle"):
-        for label, (_, recs) in by_machine(exp).items():
-            d = out.setdefault(label, {"ppl": {}, "delta": {}, "windows": 0, "needle": {}, "hits": {}, "control": {}})
-            for r in recs:
+        for label, run in records.references(exp, core.RESULTS_DIR, peer=None).items():
+            d = out.setdefault(label, {"ppl": {}, "delta": {}, "windows": 0, "tokens": 0, "own_text": False,
+                                       "text": "", "run": None, "needle_run": None, "needle": {}, "hits": {},
+                                       "control": {}})
+            d["run" if exp == "kv-ppl" else "needle_run"] = run
+            for r in run.records:
                 kv = FLOAT if r["kv"] in FLOAT_KV else r["kv"]    # the float cache, recorded under its dtype
                 if r["metric"] == "heldout_perplexity":
-                    d["ppl"][kv], d["windows"] = r["value"], r["windows"]
+                    d["ppl"][kv], d["windows"], d["tokens"] = r["value"], r["windows"], r["tokens"]
+                    if kv == FLOAT:
+                        log = records.training_log(r["model"])
+                        d["own_text"] = log is not None and r.get("corpus_sha256") == log["corpus"]["sha256"]
+                        d["text"] = records.perplexity_text(r, run)
                 elif r["metric"] == "ppl_delta":
                     d["delta"][kv] = r["value"]
                 elif r["metric"] == "retrieval_rate":
@@ -57,11 +72,12 @@ def kv_quality_recorded() -> dict[str, dict]:
                     else:
                         d["needle"][far, kv] = r["value"]
                         d["hits"][far, kv] = tuple(r.get("samples") or ())
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]["windows"]))
+    return dict(sorted(out.items(), key=lambda kv: (not kv[1]["own_text"], -kv[1]["tokens"])))
 
 
 def kv_best() -> tuple[str, dict] | None:
-    """The machine whose perplexities rest on the most windows."""
+    """The machine whose perplexities C17 and C20 read: scored on the shipped model's own held-out text, on
+    the most tokens (the first of `kv_quality_recorded`)."""
     rec = {k: d for k, d in kv_quality_recorded().items() if d["ppl"]}
     return next(iter(rec.items()), None)
 
@@ -89,6 +105,7 @@ class C05Evidence:
     ratio: dict[int, float]     # bits -> an affine g64 cache's bytes / the float16 cache's
     gaps: tuple[NeedleGap, ...]  # affine8-g64 and affine4-g64 at each recorded distance
     machine: str
+    source: str = ""            # the caption of the run the needle trials come from
 
 
 def needle_gaps(d: dict, schemes: tuple[str, ...]) -> tuple[NeedleGap, ...]:
@@ -120,7 +137,8 @@ def gather_c05(live: bool) -> C05Evidence | None:
     if not gaps:
         return None
     return C05Evidence({m: gb[m, FLOAT] for m in models},
-                       {b: gb[models[0], f"affine{b}-g64"] / gb[models[0], FLOAT] for b in (8, 4)}, gaps, label)
+                       {b: gb[models[0], f"affine{b}-g64"] / gb[models[0], FLOAT] for b in (8, 4)}, gaps, label,
+                       d["needle_run"].caption)
 
 
 def near(value: float, figure: float) -> bool:
@@ -173,7 +191,8 @@ def judge_c05(e: C05Evidence) -> Verdict:
         ev[f"needle retrieval {g.distance} tokens back, {g.scheme} ({e.machine})"] = Number(100 * g.rate, "%")
         ev[f"its loss against the float cache, {g.distance} back, {g.scheme}"] = Number(100 * g.loss, "points")
         ev[f"twice the loss's paired standard error, {g.distance} back, {g.scheme}"] = Number(200 * g.se, "points")
-    return Verdict(status, summary, ev, condition, f"{KV_TABLES}; results/ ({e.machine}, experiment kv-needle)")
+    return Verdict(status, summary, ev, condition,
+                   f"{KV_TABLES}; {e.source or e.machine} (experiment kv-needle)")
 
 
 C05 = claim("C05", "kv-cache", gather_c05, judge_c05,
@@ -217,6 +236,8 @@ class C17Evidence:
     delta: dict[str, float]           # sym8, sym4, kivi4, outlier4 -> perplexity minus the float cache's
     machine: str
     windows: int
+    text: str = "held-out perplexity"  # how a page names float_ppl (`records.perplexity_text`)
+    source: str = ""                  # the caption of the run the perplexities come from
 
 
 def gather_c17(live: bool) -> C17Evidence | None:
@@ -227,7 +248,7 @@ def gather_c17(live: bool) -> C17Evidence | None:
     label, d = best
     keys, values = shipped_outliers()
     delta = {s: d["delta"][s] for s in ("sym8", "sym4", "kivi4", "outlier4")}
-    return C17Evidence(keys, values, d["ppl"][FLOAT], delta, label, d["windows"])
+    return C17Evidence(keys, values, d["ppl"][FLOAT], delta, label, d["windows"], d["text"], d["run"].caption)
 
 
 def judge_c17(e: C17Evidence) -> Verdict:
@@ -259,12 +280,13 @@ def judge_c17(e: C17Evidence) -> Verdict:
     ev = {f"layers with key outlier channels (> {OUTLIER_FACTOR:g}× median, pre-RoPE)": Number(layers, "layers"),
           "key outlier channels, all layers": Number(spikes, "channels"),
           "value outlier channels, all layers": Number(sum(e.value_outliers), "channels"),
-          f"perplexity, float cache ({e.machine}, {e.windows} windows of 512)": Number(e.float_ppl, "ppl")}
+          f"{e.text}, float cache ({e.machine}, {e.windows} windows of 512)": Number(e.float_ppl, "ppl")}
     ev |= {f"perplexity delta, {s}": Number(d, "ppl") for s, d in e.delta.items()}
     ev |= {f"perplexity change, {s}": Number(r, "%") for s, r in rel.items()}
     return Verdict(status, summary, ev, condition,
                    f"the shipped model's keys and values on {KEY_WINDOW[1] - KEY_WINDOW[0]} held-out tokens "
-                   f"(arithmetic on its weights); results/ ({e.machine}, experiment kv-ppl); Liu et al. 2024 (KIVI), "
+                   f"(arithmetic on its weights); {e.source or e.machine} (experiment kv-ppl); "
+                   "Liu et al. 2024 (KIVI), "
                    "Hooper et al. 2024 (KVQuant)")
 
 
@@ -290,6 +312,8 @@ class C20Evidence:
     delta: dict[str, float]                  # outlier4, sym4 -> perplexity minus the float cache's
     machine: str
     windows: int
+    text: str = "held-out perplexity"        # how a page names float_ppl (`records.perplexity_text`)
+    source: str = ""                         # the caption of the run the perplexities come from
 
 
 def gather_c20(live: bool) -> C20Evidence | None:
@@ -301,7 +325,8 @@ def gather_c20(live: bool) -> C20Evidence | None:
     label, d = best
     per = {m: {k: scheme_bytes(k, s.num_key_value_heads, s.head_dim)[0] for k in (FLOAT, "outlier4", "affine4-g64")}
            for m, s in (("Llama-3.1-8B", shapes.shape("Llama-3.1-8B")), ("stdlib-10m", shapes.shape("stdlib-10m")))}
-    return C20Evidence(per, d["ppl"][FLOAT], {s: d["delta"][s] for s in ("outlier4", "sym4")}, label, d["windows"])
+    return C20Evidence(per, d["ppl"][FLOAT], {s: d["delta"][s] for s in ("outlier4", "sym4")}, label, d["windows"],
+                       d["text"], d["run"].caption)
 
 
 def judge_c20(e: C20Evidence) -> Verdict:
@@ -318,9 +343,9 @@ def judge_c20(e: C20Evidence) -> Verdict:
                               for i, (m, s) in enumerate(saved.items()))
                + f", {'within' if mem_ok else 'not within'} {C20_PRECISION:g} points of the claim's {C20_SAVED:g}%, "
                f"and moves the shipped model's perplexity by {e.delta['outlier4']:+.3f} ({e.machine}, from "
-               f"{e.float_ppl:.3f}), {'under' if ppl_ok else 'not under'} the claim's {PPL_BOUND:g}, where uniform "
-               f"4-bit symmetric moves it by {e.delta['sym4']:+.3f}; 4-bit groups of 64 with nothing kept in float "
-               f"would save {ceiling[first]:.1f}%.")
+               f"{e.float_ppl:.3f}, its {e.text}), {'under' if ppl_ok else 'not under'} the claim's {PPL_BOUND:g}, "
+               f"where uniform 4-bit symmetric moves it by {e.delta['sym4']:+.3f}; 4-bit groups of 64 with nothing "
+               f"kept in float would save {ceiling[first]:.1f}%.")
     reasons = [r for r, failed in ((f"the saving is {', '.join(f'{s:.1f}%' for s in saved.values())}", not mem_ok),
                                    (f"the delta is {e.delta['outlier4']:+.3f}", not ppl_ok)) if failed]
     condition = ("; ".join(reasons) if reasons else "as stated, with float16 outlier channels") + \
@@ -331,7 +356,8 @@ def judge_c20(e: C20Evidence) -> Verdict:
     ev |= {f"memory saved by outlier4 ({m})": Number(s, "%") for m, s in saved.items()}
     ev[f"memory saved by 4-bit g64 with no outlier channels ({first}, the ceiling)"] = Number(ceiling[first], "%")
     ev |= {f"perplexity delta, {s} ({e.machine}, {e.windows} windows)": Number(d, "ppl") for s, d in e.delta.items()}
-    return Verdict(status, summary, ev, condition, f"{KV_TABLES}; results/ ({e.machine}, experiment kv-ppl)")
+    return Verdict(status, summary, ev, condition,
+                   f"{KV_TABLES}; {e.source or e.machine} (experiment kv-ppl)")
 
 
 C20 = claim("C20", "kv-cache", gather_c20, judge_c20,
@@ -360,12 +386,12 @@ ROUTES = ("mx.array(np)", "mx.from_dlpack(np)", "np.array(mx)", "np.asarray(mx)"
 
 
 def unified_recorded() -> dict[str, dict]:
-    """Per machine: {"backend", "facts": {(route, metric): value}, "memory": {route: CUDA pointer kind},
-    "reads": {(variant, bytes): GB/s}} from the newest "unified" records."""
+    """Per machine, from its reference "unified" run (`records.references`): {"backend", "run" (the Run read),
+    "facts": {(route, metric): value}, "memory": {route: CUDA pointer kind}, "reads": {(variant, bytes): GB/s}}."""
     out = {}
-    for label, (machine, recs) in by_machine("unified").items():
-        d = {"backend": machine["backend"], "facts": {}, "memory": {}, "reads": {}}
-        for r in recs:
+    for label, run in records.references("unified", core.RESULTS_DIR).items():
+        d = {"backend": run.machine["backend"], "run": run, "facts": {}, "memory": {}, "reads": {}}
+        for r in run.records:
             if r["metric"] in ("shares_memory", "writes_seen"):
                 d["facts"][r["variant"], r["metric"]] = r["value"]
                 d["memory"][r["variant"]] = r.get("memory")
@@ -396,6 +422,7 @@ class C12Evidence:
     size: int                             # bytes of the largest array timed
     reads: dict[str, float]               # "host first", "host again", "device first", "device again" -> GB/s
     link_gbs: float                       # PCIe Gen5 x16 after line coding, one direction
+    sources: tuple[str, ...] = ()         # the captions of the runs read
 
 
 def gather_c12(live: bool) -> C12Evidence | None:
@@ -409,7 +436,7 @@ def gather_c12(live: bool) -> C12Evidence | None:
     shares = {label: {r: d["facts"][r, "shares_memory"] for r in ROUTES if (r, "shares_memory") in d["facts"]}
               for label, d in rec.items()}
     return C12Evidence(shares, gpu, str(rec[gpu]["memory"].get("mx.array(np)")), size, reads,
-                       interconnect.coded_gbs(*FASTEST_PCIE))
+                       interconnect.coded_gbs(*FASTEST_PCIE), tuple(d["run"].caption for d in rec.values()))
 
 
 def judge_c12(e: C12Evidence) -> Verdict:
@@ -447,7 +474,7 @@ def judge_c12(e: C12Evidence) -> Verdict:
            f"GPU's second read ({e.gpu})": Number(r["device again"], "GB/s"),
            f"{pcie}, one direction after line coding": Number(e.link_gbs, "GB/s")}
     return Verdict(status, summary, ev, "; ".join(reasons) or "as stated: no transfer seen on a discrete GPU either",
-                   f"results/ (machines {', '.join(e.shares)}; experiment unified); {_UNIFIED_SOURCES}")
+                   f"{'; '.join(e.sources) or ', '.join(e.shares)} (experiment unified); {_UNIFIED_SOURCES}")
 
 
 C12 = claim("C12", "kv-cache", gather_c12, judge_c12,
@@ -467,6 +494,7 @@ C12 = claim("C12", "kv-cache", gather_c12, judge_c12,
 class C30Evidence:
     seen: dict[str, float]       # machine -> 1 if a host write through np.asarray(mx) was seen by the next MLX kernel
     backends: dict[str, str]     # machine -> MLX's backend there
+    sources: tuple[str, ...] = ()   # the captions of the runs read
 
 
 def gather_c30(live: bool) -> C30Evidence | None:
@@ -474,7 +502,8 @@ def gather_c30(live: bool) -> C30Evidence | None:
     rec = unified_recorded()
     seen = {label: d["facts"][("np.asarray(mx)", "writes_seen")] for label, d in rec.items()
             if d["facts"].get(("np.asarray(mx)", "writes_seen")) is not None}
-    return C30Evidence(seen, {label: rec[label]["backend"] for label in seen}) if seen else None
+    return C30Evidence(seen, {label: rec[label]["backend"] for label in seen},
+                       tuple(rec[label]["run"].caption for label in seen)) if seen else None
 
 
 def judge_c30(e: C30Evidence) -> Verdict:
@@ -491,7 +520,7 @@ def judge_c30(e: C30Evidence) -> Verdict:
           for label, v in e.seen.items()}
     return Verdict("not testable here", summary, ev,
                    "no flush is needed, but ordering is: accesses must fall between command buffers (after mx.eval)",
-                   f"results/ (machines {', '.join(e.seen)}; experiment unified); {_UNIFIED_SOURCES}")
+                   f"{'; '.join(e.sources) or ', '.join(e.seen)} (experiment unified); {_UNIFIED_SOURCES}")
 
 
 C30 = claim("C30", "kv-cache", gather_c30, judge_c30,

@@ -1,99 +1,41 @@
 """Chapter 0, the roofline (book/intro/roofline): C04, C14, C26 and C27.
 
 Decode reads every weight once per token; prefill reuses each weight across the prompt. The rules put
-those intensities against the sourced ridge points and the forward sweeps recorded on the reference
-machines (TTFT per prompt, decode step per context). `live=True` also times a numpy GEMV and GEMM and the
-shipped model's forward here, repeated and cached per process: reported beside a verdict, never deciding it.
+those intensities against the sourced ridge points and each machine's reference forward sweep (TTFT per
+prompt, decode step per context: `forward_sweeps`). With `live=True` gather also asks measure.decode for
+this machine's GEMV and GEMM (`measure_matmul`) and the shipped model's forward (`measure_forward`), each
+measured once per process there: reported beside a verdict, never deciding it.
+
+See chapter: intro-roofline
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import mlx.core as mx
 import numpy as np
 
-from ref_impl.engine.checkpoint import load
 from ref_impl.formats import ggml
-from ref_impl.ledger.core import SHIPPED_MODEL, TABLES, Number, Verdict, claim, decide, figure, repeated, results
+from ref_impl.ledger import core
+from ref_impl.ledger.core import SHIPPED_MODEL, TABLES, Number, Verdict, claim, decide, figure, repeated
 from ref_impl.ledger.signalling import C03_BUS_BITS, C03_GBS, GDDR7_CARD
-from ref_impl.measure.decode import forward_sweep, this_machine
-from ref_impl.platform import blas, timing
+from ref_impl.measure import records
+from ref_impl.measure.decode import ForwardTiming, MatmulTiming, measure_forward, measure_matmul
 from ref_impl.theory import roofline, shapes
 from ref_impl.theory import signalling as sg
 from ref_impl.theory.shapes import ModelShape
 
-# ---- live measurements, cached: one run per process -----------------------------------------------
-
-@dataclass(frozen=True)
-class MatmulTiming:
-    """One weight matrix times one vector (GEMV) and times many (GEMM), timed on this machine, repeated."""
-    machine: str
-    shape: tuple[int, int]            # the float32 weight matrix (rows, cols)
-    tokens: int                       # columns of the GEMM's right-hand side
-    gemv_s: tuple[float, ...]         # seconds, one per repeat
-    gemm_s: tuple[float, ...]
-    copy_gbs: tuple[float, ...]       # decode.this_machine() per round: copy bandwidth and float32 matmul peak
-    peak_gflops: tuple[float, ...]
-
-
-@functools.cache
-def measure_matmul(rows: int = 8192, cols: int = 4096, tokens: int = 256, rounds: int = 3) -> MatmulTiming:
-    """Time one float32 weight matrix (rows x cols: 128 MiB, 4x a 32 MiB L3) times one vector (10
-    repeats) and times `tokens` vectors (`rounds` repeats) with numpy, and this machine's roofs `rounds` times."""
-    rng = np.random.default_rng(0)
-    w = rng.standard_normal((rows, cols), dtype=np.float32)
-    x, xs = rng.standard_normal(cols, dtype=np.float32), rng.standard_normal((cols, tokens), dtype=np.float32)
-    gemv = timing.repeat(lambda: w @ x, 10)
-    gemm = timing.repeat(lambda: w @ xs, rounds)
-    roofs = [this_machine(seconds=0.5, array_mb=128) for _ in range(rounds)]
-    return MatmulTiming(roofs[0].name, (rows, cols), tokens, tuple(gemv), tuple(gemm),
-                        tuple(hw.bandwidth_gbs for hw in roofs), tuple(hw.peak_tflops * 1e3 for hw in roofs))
-
+# ---- the live readings as evidence --------------------------------------------------------------------
 
 def matmul_rates(m: MatmulTiming) -> dict[str, Number]:
-    """The live matmul timings as rates, each the median of its repeats with their range."""
+    """A live `MatmulTiming` as rates, each the median of its repeats with their range."""
     nbytes, flops = 4 * m.shape[0] * m.shape[1], 2 * m.shape[0] * m.shape[1]
     return {"gemv_gbs": repeated([nbytes / s / 1e9 for s in m.gemv_s], "GB/s"),
             "gemv_gflops": repeated([flops / s / 1e9 for s in m.gemv_s], "GFLOP/s"),
             "gemm_gflops": repeated([flops * m.tokens / s / 1e9 for s in m.gemm_s], "GFLOP/s"),
             "copy_gbs": repeated(list(m.copy_gbs), "GB/s"),
             "peak_gflops": repeated(list(m.peak_gflops), "GFLOP/s")}
-
-
-@dataclass(frozen=True)
-class ForwardTiming:
-    """Forward time of the shipped model against prompt length, and decode-step time at two contexts, repeated."""
-    shape: ModelShape
-    lengths: tuple[int, ...]                  # tokens in one forward from an empty cache
-    seconds: tuple[tuple[float, ...], ...]    # per length, one sample per round
-    decode_contexts: tuple[int, int]          # context of the timed decode steps
-    decode_seconds: tuple[tuple[float, ...], tuple[float, ...]]   # per context, one sample per step
-
-
-@functools.cache
-def measure_forward(max_len: int = 512, rounds: int = 3, steps: int = 8) -> ForwardTiming:
-    """Time a forward of the shipped model for L = 1, 2, 4 ... max_len tokens (decode.forward_sweep, `rounds`
-    times) and `steps` decode steps at contexts 16 and max_len - 100, interleaved, on one BLAS thread."""
-    model, _ = load(SHIPPED_MODEL)
-    tokens = mx.array(np.random.default_rng(0).integers(0, model.args.vocab_size, (1, max_len)))
-    lengths = [2**i for i in range(max_len.bit_length()) if 2**i <= max_len]
-    sweeps = [forward_sweep(model, lengths, repeats=1)[1] for _ in range(rounds)]
-    contexts = (16, max_len - 100)
-    with blas.one_blas_thread():
-        caches = [model.make_cache(max_len) for _ in contexts]
-        for cache, start in zip(caches, contexts):
-            mx.eval(model(tokens[:, :start - 1], cache))   # the decode steps then run at start, start + 1, ...
-
-        def step(cache):
-            off = cache[0].offset
-            mx.eval(model(tokens[:, off:off + 1], cache))
-        decode = [[timing.repeat(lambda c=c: step(c), 1, warmup=0)[0] for c in caches]   # interleaved
-                  for _ in range(steps)]
-    return ForwardTiming(model.args.shape(SHIPPED_MODEL.stem), tuple(lengths), tuple(zip(*sweeps)),
-                         contexts, tuple(tuple(col) for col in zip(*decode)))
 
 
 # ---- arithmetic the checks share --------------------------------------------------------------------
@@ -160,7 +102,7 @@ class Sweep:
     """One machine's recorded sweep of a public model shape: TTFT per prompt length and the decode step
     per context (`bench --dispatch --shapes`), with the shape's arithmetic at those lengths."""
     machine: str                      # its label in results/
-    source: str                       # results/<file>
+    source: str                       # the caption of its run (`records.Run.caption`)
     model: str
     ttft_ms: dict[int, float]         # prompt length -> TTFT
     step_ms: dict[int, float]         # context -> decode step, median
@@ -176,30 +118,23 @@ SWEEP_PENDING = ("the forward sweep of a public model shape (TTFT per prompt, de
                  "python -m ref_impl bench --dispatch --shapes Llama-3.1-8B")
 
 
-def newest(experiment: str, metric: str) -> dict[str, tuple[str, dict, list[dict]]]:
-    """Per machine label: (file, machine, our records of `metric` for public shapes) of its newest file."""
-    out: dict[str, tuple[str, dict, list[dict]]] = {}
-    for name, machine, r in results(experiment):      # oldest file first: the newest wins
-        if r.get("peer") is None and r["metric"] == metric and r["model"] in shapes.PUBLIC:
-            if out.get(machine["label"], ("",))[0] != name:
-                out[machine["label"]] = (name, machine, [])
-            out[machine["label"]][2].append(r)
-    return out
-
-
 def forward_sweeps() -> list[Sweep]:
-    """Every machine's newest recorded sweep of a public shape with at least 3 prompt lengths and contexts."""
-    steps = newest("itl", "itl_p50_ms")
+    """Every machine's reference sweep of a public shape (its reference "ttft" run, and the decode steps of
+    its reference "itl" run: one `bench --dispatch --shapes` run records both) with at least 3 prompt
+    lengths and contexts."""
     sweeps = []
-    for label, (name, machine, recs) in newest("ttft", "ttft_ms").items():
-        for model in sorted({r["model"] for r in recs}):
-            ttft = {r["context"]: r for r in recs if r["model"] == model}
-            step = {r["context"]: r["value"] for r in steps.get(label, ("", {}, []))[2] if r["model"] == model}
+    for label, run in records.references("ttft", core.RESULTS_DIR, metric="ttft_ms", peer=None).items():
+        steps = records.reference("itl", label, core.RESULTS_DIR, metric="itl_p50_ms", peer=None)
+        source = run.caption if steps is None or steps.file == run.file else \
+            f"{run.caption}; its decode steps: {steps.caption}"
+        for model in sorted({r["model"] for r in run.records if r["model"] in shapes.PUBLIC}):
+            ttft = {r["context"]: r for r in run.select(model=model)}
+            step = {r["context"]: r["value"] for r in (steps.select(model=model) if steps else ())}
             if len(ttft) < 3 or len(step) < 3:
                 continue
-            shape, hw = shapes.PUBLIC[model], hardware_of(machine)
+            shape, hw = shapes.PUBLIC[model], hardware_of(run.machine)
             sweeps.append(Sweep(
-                label, f"results/{name}", model, {n: r["value"] for n, r in ttft.items()}, step,
+                label, source, model, {n: r["value"] for n, r in ttft.items()}, step,
                 {n: roofline.prefill_flops(shape, n) for n in ttft}, {n: attention_share(shape, n) for n in ttft},
                 {n: model_intensity(shape, n, bits_of(r["weights"])) for n, r in ttft.items()},
                 first_length(lambda n: attention_share(shape, n) >= 0.5),
@@ -240,15 +175,15 @@ def live_matmul(m: MatmulTiming) -> tuple[dict[str, Number], str, str]:
     """This machine's GEMV and GEMM as evidence, and a clause on each: reported beside a verdict, never deciding it."""
     r = matmul_rates(m)
     gbs, gemv, gemm, copy, peak = (n.value for n in r.values())     # in matmul_rates' order
-    ev = {"live GEMV read rate": r["gemv_gbs"], "live copy bandwidth": r["copy_gbs"],
+    ev = {"live GEMV read rate": r["gemv_gbs"], "live bandwidth, numpy's copy": r["copy_gbs"],
           "live GEMV rate": r["gemv_gflops"], f"live GEMM rate, same matrix, {m.tokens} tokens": r["gemm_gflops"],
           "live float32 matmul peak (2048² matmul)": r["peak_gflops"], "live ridge point of this CPU":
           Number(peak / copy, "FLOP/byte"), "live GEMM intensity, float32": Number(
               roofline.matmul_intensity(m.tokens, m.shape[1], m.shape[0], 32, 4), "FLOP/byte")}
     head = "; this machine's reading (beside the rule): "
     return (ev, f"{head}one {m.shape[0]}×{m.shape[1]} float32 GEMV read {figure(gbs)} GB/s ({100 * gbs / copy:.0f}% "
-                f"of the copy bandwidth) but did {figure(gemv)} GFLOP/s, 1/{gemm / gemv:.0f} of what the same weights "
-                f"did times {m.tokens} tokens",
+                f"of this machine's bandwidth, numpy's copy) but did {figure(gemv)} GFLOP/s, 1/{gemm / gemv:.0f} of "
+                f"what the same weights did times {m.tokens} tokens",
             f"{head}one weight matrix times {m.tokens} tokens ran at {figure(gemm)} GFLOP/s, {gemm / gemv:.0f}× its "
             f"one-token rate (a 2048² matmul beside it: {figure(peak)} GFLOP/s)")
 
@@ -360,7 +295,7 @@ def judge_c26(e: PrefillEvidence) -> Verdict:
                ) + "; scaling with the compute clock is not measured"
     condition = (f"prompts long enough to keep the tensor units busy ({reach}), not a fixed "
                  f"{C26_INTENSITY:.0f} FLOP/byte; clock scaling untested (the H200's clocks are left as they are)")
-    source = "; ".join(sorted({f"{s.source} (machine {s.machine})" for s in e.sweeps})) + f"; {TABLES}"
+    source = "; ".join(sorted({s.source for s in e.sweeps})) + f"; {TABLES}"
     if e.live is not None:
         live_ev, _, text = live_matmul(e.live)
         ev, summary = ev | live_ev, summary + text
@@ -397,7 +332,7 @@ def gather_c14(live: bool) -> ScalingEvidence | None:
         return None
     kv = roofline.kv_bytes_per_token(LLAMA8B)
     return ScalingEvidence(sweeps, {b: round(roofline.weight_bytes(LLAMA8B, b) / kv) for b in (16, Q4K_BITS)},
-                           measure_forward() if live else None)
+                           measure_forward(SHIPPED_MODEL) if live else None)
 
 
 def live_forward(t: ForwardTiming) -> tuple[dict[str, Number], str]:
@@ -464,7 +399,7 @@ def judge_c14(e: ScalingEvidence) -> Verdict:
     kv16, kv4 = e.kv_equals_weights[16], e.kv_equals_weights[Q4K_BITS]
     summary = (f"{head}: {'; '.join(f[2] for f in found)}. By the roofline, the KV read alone equals the weight read "
                f"at {kv16:,} tokens of context with 16-bit weights ({kv4:,} with Q4_K's), past which no step is O(1)")
-    source = "; ".join(sorted({f"{s.source} (machine {s.machine})" for s in e.sweeps})) + f"; {TABLES}"
+    source = "; ".join(sorted({s.source for s in e.sweeps})) + f"; {TABLES}"
     if e.live is not None:
         live_ev, text = live_forward(e.live)
         ev, summary = ev | live_ev, summary + text
@@ -505,18 +440,15 @@ class BusEvidence:
 
 
 def decode_analog() -> tuple[str, str, float, float] | None:
-    """The newest recorded 16-bit decode of Llama-3.1-8B's shape on a GPU (`bench --shape`): its machine,
-    file, the GB/s it read and its GPU's datasheet GB/s."""
-    runs: dict[str, dict[str, float]] = {}
-    for name, machine, r in results("decode-shape"):
-        hw = hardware_of(machine)
-        if hw and r["model"] == LLAMA8B.name and r["weights"] == "F16" and r.get("peer") is None:
-            runs.setdefault(name, {"bandwidth": hw.bandwidth_gbs, "label": machine["label"]})[r["metric"]] = r["value"]
-    done = [(name, d) for name, d in runs.items() if {"tokens_per_s", "bytes_per_token"} <= d.keys()]
-    if not done:
+    """The reference 16-bit decode of Llama-3.1-8B's shape on a GPU (`bench --shape`; the newest run where
+    several GPUs recorded one): its machine, its run's caption, the GB/s it read and its GPU's datasheet GB/s."""
+    found = [run for run in records.references("decode-shape", core.RESULTS_DIR, model=LLAMA8B.name, weights="F16",
+                                               peer=None).values() if hardware_of(run.machine)]
+    if not found:
         return None
-    name, d = max(done)
-    return d["label"], f"results/{name}", d["tokens_per_s"] * d["bytes_per_token"] / 1e9, d["bandwidth"]
+    run = max(found, key=lambda r: (r.date, r.file))
+    read = run.value("decode-shape", "tokens_per_s") * run.value("decode-shape", "bytes_per_token") / 1e9
+    return run.label, run.caption, read, hardware_of(run.machine).bandwidth_gbs
 
 
 def gather_c04(live: bool) -> BusEvidence:
@@ -570,7 +502,7 @@ def judge_c04(e: BusEvidence) -> Verdict:
             100 * achieved / sheet, "%")
         summary += (f"; the portable analog, beside the rule: a 16-bit Llama-3.1-8B-shaped decode on {label} read "
                     f"{figure(achieved)} GB/s, {100 * achieved / sheet:.0f}% of the datasheet's {figure(sheet)}")
-        source += f"; {src} (machine {label})"
+        source += f"; {src}"
     return Verdict(status, summary + ".", ev, f"a GDDR7 card of {bus[0]:.0f}-{bus[1]:.0f} GB/s (a {C03_BUS_BITS}-bit "
                    f"bus at {pins[0]:.1f}-{pins[1]:.1f} Gbps per pin), batch 1, short context (at 8k the KV read adds "
                    f"~{e.kv_gb:.1f} GB per token)", source)

@@ -2,7 +2,9 @@
 
 Exactness by a chi-square test on seeded draws (arithmetic, no timing); acceptance rates, forward
 times against positions, and speedups from the recorded spec-alpha, spec-forward and spec-speed runs,
-per machine (each machine's newest file). Every rule reads only those; nothing here is timed.
+per machine (its reference runs: `records.references`). Every rule reads only those; nothing here is timed.
+
+See chapter: speculative-decoding
 """
 
 from __future__ import annotations
@@ -12,37 +14,66 @@ from dataclasses import dataclass
 import numpy as np
 
 from ref_impl.engine.speculative import chi2_pvalue, first_tokens
-from ref_impl.ledger.core import Number, Verdict, by_machine, claim, decide
+from ref_impl.ledger import core
+from ref_impl.ledger.core import Number, Verdict, claim, decide
+from ref_impl.measure import records
+from ref_impl.measure.records import Run
 from ref_impl.theory.speedup import break_even_alpha, expected_tokens, speedup
 
 _SPEC_SOURCES = ("Leviathan, Kalman and Matias 2023 (the rule, E(α, γ), Theorem 3.8); Chen et al. 2023; "
                  "Cai et al. 2024 (Medusa heads)")
+SPEC = ("spec-alpha", "spec-forward", "spec-speed")     # the experiments of `bench --spec`
 
 
-def spec_recorded(file: str | None = None) -> dict[str, dict]:
-    """Per machine (its newest file, or the results file named `file` only): "backend"; "alpha": {(variant, drafter): {γ: α}} and "pooled": {(variant, drafter): α over
-    every γ} (greedy); "forward": {model: {positions: t(L)/t(1)}}; "forward_ms": {model: {positions: ms}};
-    "plain": {model: pipelined tokens/s}; "speed": {(model, variant, drafter, alpha_set): {metric: {γ: value}}}."""
-    out: dict[str, dict] = {}
-    for exp in ("spec-alpha", "spec-forward", "spec-speed"):
-        for label, (machine, recs) in by_machine(exp, file).items():
-            d = out.setdefault(label, {"backend": machine["backend"], "alpha": {}, "pooled": {}, "forward": {},
-                                       "forward_ms": {}, "plain": {}, "speed": {}})
-            for r in recs:
-                if exp == "spec-alpha" and r["metric"] == "alpha" and r.get("temperature") == 0.0:
-                    if r["gamma"] is None:                                  # pooled over every γ
-                        d["pooled"][r["variant"], r.get("drafter")] = r["value"]
-                    else:
-                        d["alpha"].setdefault((r["variant"], r.get("drafter")), {})[r["gamma"]] = r["value"]
-                elif exp == "spec-forward" and r["metric"] in ("forward_ratio", "forward_ms"):
-                    key = "forward" if r["metric"] == "forward_ratio" else "forward_ms"
-                    d[key].setdefault(r["model"], {})[r["positions"]] = r["value"]
-                elif exp == "spec-speed" and r["variant"] == "plain" and r["metric"] == "tokens_per_s":
-                    d["plain"][r["model"]] = r["value"]
-                elif exp == "spec-speed" and r.get("gamma") is not None:
-                    key = (r["model"], r["variant"], r.get("drafter"), r.get("alpha_set"))
-                    d["speed"].setdefault(key, {}).setdefault(r["metric"], {})[r["gamma"]] = r["value"]
-    return out
+def spec_of(runs: dict[str, Run]) -> dict:
+    """One machine's spec records, from the run given for each experiment of SPEC: "backend"; "runs" (those
+    Runs); "alpha": {(variant, drafter): {γ: α}} and "pooled": {(variant, drafter): α over every γ} (greedy);
+    "forward": {model: {positions: t(L)/t(1)}}; "forward_ms": {model: {positions: ms}}; "plain": {model:
+    pipelined tokens/s}; "speed": {(model, variant, drafter, alpha_set): {metric: {γ: value}}}."""
+    d = {"backend": next(iter(runs.values())).machine["backend"], "runs": runs, "alpha": {}, "pooled": {},
+         "forward": {}, "forward_ms": {}, "plain": {}, "speed": {}}
+    for exp, run in runs.items():
+        for r in run.select(exp, peer=None):
+            if exp == "spec-alpha" and r["metric"] == "alpha" and r.get("temperature") == 0.0:
+                if r["gamma"] is None:                                  # pooled over every γ
+                    d["pooled"][r["variant"], r.get("drafter")] = r["value"]
+                else:
+                    d["alpha"].setdefault((r["variant"], r.get("drafter")), {})[r["gamma"]] = r["value"]
+            elif exp == "spec-forward" and r["metric"] in ("forward_ratio", "forward_ms"):
+                key = "forward" if r["metric"] == "forward_ratio" else "forward_ms"
+                d[key].setdefault(r["model"], {})[r["positions"]] = r["value"]
+            elif exp == "spec-speed" and r["variant"] == "plain" and r["metric"] == "tokens_per_s":
+                d["plain"][r["model"]] = r["value"]
+            elif exp == "spec-speed" and r.get("gamma") is not None:
+                key = (r["model"], r["variant"], r.get("drafter"), r.get("alpha_set"))
+                d["speed"].setdefault(key, {}).setdefault(r["metric"], {})[r["gamma"]] = r["value"]
+    return d
+
+
+def spec_recorded() -> dict[str, dict]:
+    """Per machine, `spec_of` its reference run of each spec experiment (`records.references`): what the
+    chapter and the rules read."""
+    refs = {exp: records.references(exp, core.RESULTS_DIR, peer=None) for exp in SPEC}
+    labels = dict.fromkeys(label for r in refs.values() for label in r)
+    return {label: spec_of({exp: refs[exp][label] for exp in SPEC if label in refs[exp]}) for label in labels}
+
+
+def run_captions(recorded: dict[str, dict], experiments: tuple[str, ...]) -> tuple[str, ...]:
+    """The captions of the runs `spec_recorded` read for `experiments`, each once: a verdict's source."""
+    return tuple(dict.fromkeys(d["runs"][x].caption for d in recorded.values() for x in experiments
+                               if x in d["runs"]))
+
+
+def source_line(sources: tuple[str, ...], machines, experiments: str) -> str:
+    """A verdict's source line: the runs' captions, or (synthetic evidence) the machines' labels."""
+    return "; ".join(sources) or f"results/ (machines {', '.join(sorted(set(machines)))}; experiment {experiments})"
+
+
+def spec_in(run: Run) -> dict:
+    """`spec_of` one run for every spec experiment it recorded: a run other than the reference, which a page
+    sets beside it (its caption names it)."""
+    whole = records.read_run(core.RESULTS_DIR / run.file)
+    return spec_of({exp: whole for exp in SPEC if whole.select(exp)})
 
 
 def best_speedup(speed: dict, model: str | None = None, variant: str | None = None,
@@ -91,12 +122,13 @@ def sync_model(d: dict, key: tuple, gamma: int) -> float | None:
 class Forwards:
     """Recorded forward time over K positions against one, per (machine, backend, model): {K: t(K)/t(1)}."""
     ratios: dict[tuple[str, str, str], dict[int, float]]
+    sources: tuple[str, ...] = ()           # the captions of the runs read
 
 
 def gather_c24(live: bool) -> Forwards | None:
-    ratios = {(label, d["backend"], model): r
-              for label, d in spec_recorded().items() for model, r in d["forward"].items()}
-    return Forwards(ratios) if ratios else None
+    rec = spec_recorded()
+    ratios = {(label, d["backend"], model): r for label, d in rec.items() for model, r in d["forward"].items()}
+    return Forwards(ratios, run_captions(rec, ("spec-forward",))) if ratios else None
 
 
 def saved_share(k: int, ratio: float) -> float:
@@ -123,7 +155,7 @@ def judge_c24(e: Forwards) -> Verdict:
                  if status == "refuted" else "where the forward is bandwidth- or host-bound, so the extra rows ride "
                  "on the weight reads; not where they cost compute: " + ", ".join(f"{m} on {lab}" for lab, m in short))
     return Verdict(status, summary + ".", ev, condition,
-                   f"results/ (machines {', '.join(sorted({k[0] for k in e.ratios}))}; experiment spec-forward)")
+                   source_line(e.sources, (k[0] for k in e.ratios), "spec-forward"))
 
 
 C24 = claim("C24", "speculative", gather_c24, judge_c24,
@@ -145,18 +177,19 @@ class PairSpeedups:
     """Best measured speedup over γ of each α-set pair at α ≥ 0.6: (machine, target, draft, α set, speedup,
     its γ, the draft's cost c in target steps, the synchronised model's speedup at that γ or None)."""
     rows: tuple[tuple[str, str, str, float, float, int, float, float | None], ...]
+    sources: tuple[str, ...] = ()           # the captions of the runs read
 
 
 def gather_c22(live: bool) -> PairSpeedups | None:
-    rows = []
-    for label, d in spec_recorded().items():
+    rows, rec = [], spec_recorded()
+    for label, d in rec.items():
         for key, m in d["speed"].items():
             model, variant, drafter, a = key
             if variant == "alpha-set" and a is not None and a >= 0.6:
                 g = max(m["speedup"], key=m["speedup"].get)
                 c = float(np.median(list(m["cost_ratio"].values())))
                 rows.append((label, model, drafter, a, m["speedup"][g], g, c, sync_model(d, key, g)))
-    return PairSpeedups(tuple(rows)) if rows else None
+    return PairSpeedups(tuple(rows), run_captions(rec, ("spec-speed", "spec-forward"))) if rows else None
 
 
 def judge_c22(e: PairSpeedups) -> Verdict:
@@ -185,8 +218,7 @@ def judge_c22(e: PairSpeedups) -> Verdict:
                  "alone does not decide it, the draft's cost c and the target's forward cost do" if gained else
                  "no measured pair gained +25% at any acceptance from 0.6 up")
     return Verdict(status, summary + ".", ev, condition,
-                   f"results/ (machines {', '.join(sorted({r[0] for r in e.rows}))}; experiment spec-speed, "
-                   f"spec-forward); {_SPEC_SOURCES}")
+                   f"{source_line(e.sources, (r[0] for r in e.rows), 'spec-speed, spec-forward')}; {_SPEC_SOURCES}")
 
 
 C22 = claim("C22", "speculative", gather_c22, judge_c22,
@@ -208,18 +240,19 @@ class MTPRuns:
     """Per machine: the MTP heads' pooled greedy α on held-out text and their best measured speedup (γ)."""
     alpha: dict[str, float]
     best: dict[str, tuple[float, int]]
+    sources: tuple[str, ...] = ()           # the captions of the runs read
 
 
 def gather_c13(live: bool) -> MTPRuns | None:
-    alpha, best = {}, {}
-    for label, d in spec_recorded().items():
+    alpha, best, rec = {}, {}, spec_recorded()
+    for label, d in rec.items():
         for (variant, _), a in d["pooled"].items():
             if variant == "mtp":
                 alpha[label] = a
         b = best_speedup(d["speed"], variant="mtp")
         if b:
             best[label] = (b[0], b[1])
-    return MTPRuns(alpha, best) if alpha and best else None
+    return MTPRuns(alpha, best, run_captions(rec, ("spec-alpha", "spec-speed"))) if alpha and best else None
 
 
 def judge_c13(e: MTPRuns) -> Verdict:
@@ -238,8 +271,7 @@ def judge_c13(e: MTPRuns) -> Verdict:
                  "the amortization pays only where the heads are accepted often enough to outweigh their own cost "
                  "and the wider verification; it did on " + (", ".join(faster) or "no machine measured"))
     return Verdict(status, summary + ".", ev, condition,
-                   f"results/ (machines {', '.join(sorted(e.alpha))}; experiment spec-alpha, spec-speed); "
-                   f"{_SPEC_SOURCES}")
+                   f"{source_line(e.sources, e.alpha, 'spec-alpha, spec-speed')}; {_SPEC_SOURCES}")
 
 
 C13 = claim("C13", "speculative", gather_c13, judge_c13,
@@ -264,16 +296,17 @@ class SpecExactness:
     p_rule: float
     p_broken: float
     best: dict[tuple[str, str], float]
+    sources: tuple[str, ...] = ()           # the captions of the runs read
 
 
 def gather_c06(live: bool) -> SpecExactness | None:
-    best = {}
-    for label, d in spec_recorded().items():
+    best, rec = {}, spec_recorded()
+    for label, d in rec.items():
         for variant in ("draft-model", "mtp", "alpha-set"):
             b = best_speedup(d["speed"], variant=variant)
             if b:
                 best[label, variant] = b[0]
-    return SpecExactness(*exactness(), best) if best else None
+    return SpecExactness(*exactness(), best, run_captions(rec, ("spec-speed",))) if best else None
 
 
 def judge_c06(e: SpecExactness) -> Verdict:
@@ -295,8 +328,8 @@ def judge_c06(e: SpecExactness) -> Verdict:
                   "only " + ", ".join(reach) + ", with a draft both cheap and often right" if reach and exact else
                   "no measured method reached it" if exact else "the rule failed its exactness test"))
     return Verdict(status, summary + ".", ev, condition,
-                   f"seeded simulation (speculative.first_tokens, chi2_pvalue); results/ "
-                   f"({', '.join(sorted({k for k, _ in e.best}))}); {_SPEC_SOURCES}")
+                   f"seeded simulation (speculative.first_tokens, chi2_pvalue); "
+                   f"{source_line(e.sources, (k for k, _ in e.best), 'spec-speed')}; {_SPEC_SOURCES}")
 
 
 C06 = claim("C06", "speculative", gather_c06, judge_c06,

@@ -7,6 +7,9 @@ the bandwidth roof. Both record the machine's roofs first (`roofs`: the memory p
 and the matmul peak of `matmul_peak`; `bench --roofs` records them alone); `decode_bytes` is what a step
 reads. `forward_sweep` times one uncached forward against its length (the flat-then-linear curve of
 chapter 0), and `this_machine` measures a CPU's two roofs live with numpy, for `roofline.Hardware`.
+`measure_matmul` (a GEMV and a GEMM of one weight matrix) and `measure_forward` (the shipped model's forward
+against its length, and its decode steps at two contexts) are the live readings the claim ledger shows beside
+its verdicts, once per process.
 
 The discipline is the usual one: a warm-up run first, random prompt tokens from a fixed seed, greedy
 sampling, end-of-sequence ignored, every result evaluated before the clock stops; prefill (TTFT) and decode
@@ -19,17 +22,20 @@ See chapter: capstone
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import platform
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ref_impl.engine.checkpoint import load_model
+from ref_impl import MODELS_DIR
+from ref_impl.engine.checkpoint import load, load_model
 from ref_impl.engine.generate import Sampler, generate_step
 from ref_impl.engine.model import Model, ModelArgs
 from ref_impl.engine.random import random_gguf_model
@@ -40,6 +46,7 @@ from ref_impl.platform import blas
 from ref_impl.platform.machine import package_version
 from ref_impl.platform.timing import TokenRun, best, clock, decode_metrics, median, repeat, token_runs, within
 from ref_impl.theory.roofline import Hardware
+from ref_impl.theory.shapes import ModelShape
 
 
 def ours(model: Model, prompt: list[int], n: int, repeats: int, pipeline: bool, compiled: bool = False
@@ -211,3 +218,67 @@ def this_machine(seconds: float = 2.0, array_mb: int = 256, matmul_n: int = 2048
     return Hardware(f"this machine ({platform.machine()}, {os.cpu_count()} CPUs)", memory,
                     2 * src.nbytes / copy_s / 1e9, 2 * matmul_n**3 / matmul_s / 1e12,
                     f"float32 numpy matmul, n={matmul_n} (CPU)", "measured live on this machine")
+
+
+# ---- live readings the claim ledger shows beside its verdicts, once per process --------------------------
+
+@dataclass(frozen=True)
+class MatmulTiming:
+    """One weight matrix times one vector (GEMV) and times many (GEMM), timed on this machine, repeated."""
+    machine: str
+    shape: tuple[int, int]            # the float32 weight matrix (rows, cols)
+    tokens: int                       # columns of the GEMM's right-hand side
+    gemv_s: tuple[float, ...]         # seconds, one per repeat
+    gemm_s: tuple[float, ...]
+    copy_gbs: tuple[float, ...]       # `this_machine` per round: numpy's copy bandwidth and float32 matmul peak
+    peak_gflops: tuple[float, ...]
+
+
+@functools.cache
+def measure_matmul(rows: int = 8192, cols: int = 4096, tokens: int = 256, rounds: int = 3) -> MatmulTiming:
+    """Time one float32 weight matrix (rows x cols: 128 MiB, 4x a 32 MiB L3) times one vector (10
+    repeats) and times `tokens` vectors (`rounds` repeats) with numpy, and this machine's roofs `rounds` times
+    (`this_machine`): the GEMV against the GEMM that the ledger's C26 and C27 show beside their verdicts."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((rows, cols), dtype=np.float32)
+    x, xs = rng.standard_normal(cols, dtype=np.float32), rng.standard_normal((cols, tokens), dtype=np.float32)
+    gemv = repeat(lambda: w @ x, 10)
+    gemm = repeat(lambda: w @ xs, rounds)
+    machine = [this_machine(seconds=0.5, array_mb=128) for _ in range(rounds)]
+    return MatmulTiming(machine[0].name, (rows, cols), tokens, tuple(gemv), tuple(gemm),
+                        tuple(hw.bandwidth_gbs for hw in machine), tuple(hw.peak_tflops * 1e3 for hw in machine))
+
+
+@dataclass(frozen=True)
+class ForwardTiming:
+    """Forward time of a model against prompt length, and decode-step time at two contexts, repeated."""
+    shape: ModelShape
+    lengths: tuple[int, ...]                  # tokens in one forward from an empty cache
+    seconds: tuple[tuple[float, ...], ...]    # per length, one sample per round
+    decode_contexts: tuple[int, int]          # context of the timed decode steps
+    decode_seconds: tuple[tuple[float, ...], tuple[float, ...]]   # per context, one sample per step
+
+
+@functools.cache
+def measure_forward(path: Path = MODELS_DIR / "stdlib-10m.gguf", max_len: int = 512, rounds: int = 3,
+                    steps: int = 8) -> ForwardTiming:
+    """Time a forward of the model at `path` (the shipped one) for L = 1, 2, 4 ... max_len tokens
+    (`forward_sweep`, `rounds` times) and `steps` decode steps at contexts 16 and max_len - 100, interleaved,
+    on one BLAS thread: the sweep the ledger's C14 shows beside its verdict."""
+    model, _ = load(path)
+    tokens = mx.array(np.random.default_rng(0).integers(0, model.args.vocab_size, (1, max_len)))
+    lengths = [2**i for i in range(max_len.bit_length()) if 2**i <= max_len]
+    sweeps = [forward_sweep(model, lengths, repeats=1)[1] for _ in range(rounds)]
+    contexts = (16, max_len - 100)
+    with blas.one_blas_thread():
+        caches = [model.make_cache(max_len) for _ in contexts]
+        for cache, start in zip(caches, contexts):
+            mx.eval(model(tokens[:, :start - 1], cache))   # the decode steps then run at start, start + 1, ...
+
+        def step(cache):
+            off = cache[0].offset
+            mx.eval(model(tokens[:, off:off + 1], cache))
+        decode = [[repeat(lambda c=c: step(c), 1, warmup=0)[0] for c in caches]   # interleaved
+                  for _ in range(steps)]
+    return ForwardTiming(model.args.shape(Path(path).stem), tuple(lengths), tuple(zip(*sweeps)),
+                         contexts, tuple(tuple(col) for col in zip(*decode)))

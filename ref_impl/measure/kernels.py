@@ -10,7 +10,7 @@ the same GGUF file. Where a token's time goes ("decode-breakdown", ms per token)
 (the matrices alone, in order), `decode_without` (the step with every matrix, and attention too,
 replaced by a constant) and `queued_ms` (the patch's own per-shape timings, summed per token).
 
-See chapter: writing-a-kernel
+See chapter: dispatch-kernel
 """
 
 from __future__ import annotations
@@ -365,9 +365,11 @@ def weight_type_records(run: KernelRun, args: ModelArgs, wt: str, work_dir: Path
             kernels.enable(model, gemv=True, fused="fused" in variant)
         if variant == "layers":
             left = fusedlayer.fuse(model)
-            run.say(f"{wt} layers: {len(model.layers) - len(left)} of {len(model.layers)} fused"
-                    + "".join(f"; layer {i}: {why}" for i, why in left.items()))
+            said = f"{len(model.layers) - len(left)} of {len(model.layers)} fused" + "".join(
+                f"; layer {i}: {why}" for i, why in left.items())
+            run.say(f"{wt} layers: {said}")
             if len(left) == len(model.layers):
+                records.append(record("decode-kernels", "skipped", None, None, variant=variant, **fields, note=said))
                 continue
         rec, ids[variant] = variant_records(run, model, variant, step_bytes, fields)
         records += rec

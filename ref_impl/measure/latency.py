@@ -7,13 +7,15 @@ MLX compiles kernels at run time and caches them on disk); the latency of one ti
 its size (C31); inter-token jitter and memory with static vs growing KV caches (C02, C16); TTFT and
 ITL against context. Every function is bounded by its size and time arguments, seeded, evaluates
 before each clock stop, and returns plain dataclasses whose field names carry their units.
-`bench_dispatch` runs them all into results records (`python -m ref_impl bench --dispatch`).
+`bench_dispatch` runs them all into results records (`python -m ref_impl bench --dispatch`); the
+`measure_*` functions are the live readings the ledger shows beside its verdicts, timed once per process.
 
 See chapter: dispatch
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -35,7 +37,7 @@ from ref_impl.engine.kvquant import make_caches
 from ref_impl.engine.model import Model, default_dtype
 from ref_impl.engine.random import args_for, random_model
 from ref_impl.measure.decode import ours
-from ref_impl.measure.loads import wired_reads
+from ref_impl.measure.loads import WiredRead, wired_reads
 from ref_impl.measure.records import dtype_name, record
 from ref_impl.platform.timing import calls_per_sample, clock, decode_metrics, median, repeat, time_tokens, wall
 
@@ -273,6 +275,32 @@ def break_even(results: Sequence[KernelLatency], chain: int = 1, compiled: bool 
         raise ValueError(f"no results for chain={chain}, compiled={compiled}")
     floor, elements = launch_floor(rows)
     return {"launch_us": floor, "break_even_elements": elements}
+
+
+# ---- live readings the ledger shows beside its verdicts, timed once per process (C15, C28, C31) ----------
+
+@functools.cache
+def measure_launch_floor(repeats: int = 3) -> tuple[str, tuple[float, ...]]:
+    """(device, µs per add, `repeats` times): this machine's launch + sync floor through MLX (`launch_floor` of
+    one add on 1 to 4096 float32 values)."""
+    floors = tuple(launch_floor([(r.elements, r.per_op_us) for r in kernel_latency(
+        sizes=(1, 16, 256, 4096), chains=(1,), target_s=0.005, rounds=3, budget_s=1.0)])[0] for _ in range(repeats))
+    return str(mx.default_device()), floors
+
+
+@functools.cache
+def measure_compile(rounds: int = 5) -> tuple[CompileCost, ...]:
+    """`compile_cost` `rounds` times: each round compiles a new function of the same graph, so the first pays
+    what compiling it costs in this process (not a cold one: imports came first), later ones find it built."""
+    return tuple(compile_cost(seed=i) for i in range(rounds))
+
+
+@functools.cache
+def measure_wired(nbytes: int = 16 << 20, tensor_bytes: int = 1 << 20,
+                  rounds: int = 5) -> dict[str, tuple[WiredRead, ...]]:
+    """`loads.wired_reads` of a small buffer, `rounds` passes of each variant, by variant."""
+    reads = wired_reads(nbytes, tensor_bytes, rounds)
+    return {v: tuple(w for w in reads if w.variant == v) for v in dict.fromkeys(w.variant for w in reads)}
 
 
 # ---- static vs growing KV caches: jitter and memory (C02, C16) ---------------------------------------

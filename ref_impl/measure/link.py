@@ -5,7 +5,7 @@ What `ref_impl.theory.interconnect` models from first principles, timed on this 
 rate), and through PyTorch pageable and pinned copies each way, GB/s by CUDA events and by the host
 clock, a handshake per layer against one transfer, and the time of one small transfer. Rates are the
 best of the repeats (noise only ever adds time); completion and transfer times are medians.
-`records.host_copy_recorded` reads the host copies back.
+A page reads a machine's copies back from its reference run: `records.references("link", variant=HOST_COPY)`.
 
 See chapter: interconnect
 """
@@ -20,6 +20,7 @@ from ref_impl.measure.records import record
 from ref_impl.platform.timing import best, clock, median, within
 
 SIZES = tuple(4096 * 4**i for i in range(10))   # 4 KiB .. 1 GiB
+HOST_COPY = "host copy (numpy)"                  # the host copies' variant
 MAX_SAMPLES = 200                                # samples kept per record
 
 
@@ -37,7 +38,7 @@ def host_copy_bandwidth(sizes=SIZES, budget_s: float = 4.0, max_bytes: int = 1 <
         src, dst = np.ones(size, np.uint8), np.zeros(size, np.uint8)
         times = within(lambda: np.copyto(dst, src), budget_s / len(sizes), max_reps=200, warmup=1,
                        calls=max(1, (1 << 20) // size))
-        out.append(link_record("host copy (numpy)", "copy_bandwidth", "GB/s", size / best(times) / 1e9,
+        out.append(link_record(HOST_COPY, "copy_bandwidth", "GB/s", size / best(times) / 1e9,
                                [size / t / 1e9 for t in times], bytes=size))
     return out
 

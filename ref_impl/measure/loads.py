@@ -12,8 +12,9 @@ weight-sized buffer on first touch, after it was touched once, and mlocked (Linu
 pages macOS wires for the GPU).
 
 `python -m ref_impl bench --alignment --label my-machine` records the chapter's sweep in results/
-(experiment "alignment", `bench_alignment`); `recorded_sweeps` reads it back. `bench --dispatch`
-records the wired reads (experiment "wired", `latency.bench_dispatch`).
+(experiment "alignment", `bench_alignment`); `recorded_sweeps` reads each machine's reference run of it
+back, and `measure_alignment` repeats it live a few times, for the claim ledger to show beside its
+verdicts. `bench --dispatch` records the wired reads (experiment "wired", `latency.bench_dispatch`).
 
 Every function takes a time budget and returns plain dataclasses with the unit in each field name.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import gc
 import mmap
 import os
@@ -38,8 +40,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ref_impl import RESULTS_DIR
 from ref_impl.formats import ggml, gguf
-from ref_impl.measure.records import record, select
+from ref_impl.measure.records import Run, record, references
 from ref_impl.platform import blas
 from ref_impl.platform.timing import calls_per_sample, clock, repeat
 
@@ -259,17 +262,35 @@ def bench_alignment(budget_s: float = 60.0) -> list[dict]:
     return sweep_records(throughput_sweep(SWEEP_OFFSETS, sweep_sizes(), budget_s=budget_s))
 
 
-def recorded_sweeps(results_dir: str | os.PathLike | None = None) -> dict[str, tuple[dict, list[Throughput]]]:
-    """The recorded sweeps in results/, per machine label (the newest file of each): (machine, rows).
-    The machine dict is the file's, plus "file" (its name) and "numpy_blas" (the BLAS numpy used)."""
-    files: dict[str, dict[str, tuple[dict, list]]] = {}
-    for name, machine, r in select("alignment", *([Path(results_dir)] if results_dir else []), metric="read_rate"):
-        info, rows = files.setdefault(machine["label"], {}).setdefault(
-            name, ({**machine, "file": name, "numpy_blas": None}, []))
-        info["numpy_blas"] = info["numpy_blas"] or r.get("numpy_blas")
-        rows.append(Throughput(r["backend"], r["op"], r["buffer_bytes"], r["offset_bytes"], r["line_offset"],
-                               r["seconds"], r["value"], r["float32_aligned"], r["rounds"]))
-    return {label: by_file[max(by_file)] for label, by_file in files.items()}
+@dataclass(frozen=True)
+class RecordedSweep:
+    """One machine's recorded alignment sweep: its run (machine, date, commit), rows, and numpy's BLAS there."""
+    run: Run
+    rows: tuple[Throughput, ...]
+    numpy_blas: str | None      # the BLAS numpy used (sweep_records' field), None where the run did not say
+
+
+def recorded_sweeps(results_dir: str | os.PathLike = RESULTS_DIR) -> dict[str, RecordedSweep]:
+    """Per machine label, its reference alignment sweep (`records.references`: the newest complete run)."""
+    out = {}
+    for label, run in references("alignment", Path(results_dir), metric="read_rate").items():
+        rows = tuple(Throughput(r["backend"], r["op"], r["buffer_bytes"], r["offset_bytes"], r["line_offset"],
+                                r["seconds"], r["value"], r["float32_aligned"], r["rounds"]) for r in run.records)
+        out[label] = RecordedSweep(run, rows, next((r["numpy_blas"] for r in run.records if r.get("numpy_blas")), None))
+    return out
+
+
+LIVE_SWEEPS = 3     # live sweeps, each with its own buffers: the spread beside the median
+
+
+@functools.cache
+def measure_alignment(sweeps: int = LIVE_SWEEPS, budget_s: float = 0.6) -> tuple[tuple[Throughput, ...], ...]:
+    """`sweeps` independent numpy sweeps on this machine (`throughput_sweep`, one BLAS thread, the chapter's
+    offsets and buffer sizes), once per process: the live reading the ledger's C10 and C32 show beside the
+    recorded sweep, which decides."""
+    return tuple(tuple(throughput_sweep(SWEEP_OFFSETS, sweep_sizes(), ("numpy",), ("sum", "gemv"),
+                                        budget_s=budget_s, seed=k))
+                 for k in range(sweeps))
 
 
 # ---- mmap vs read ------------------------------------------------------------------------------------

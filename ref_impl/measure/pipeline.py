@@ -37,10 +37,11 @@ import numpy as np
 from ref_impl import MODELS_DIR, RESULTS_DIR
 from ref_impl.engine.checkpoint import weight_types
 from ref_impl.engine.pipeline import PipelineConfig, PipelineRun, blas_env, generate, is_shape, model_args_of
-from ref_impl.measure.records import record, select
+from ref_impl.measure.records import Run, record, reference
 from ref_impl.platform.timing import median
 
 Say = Callable[[str], None]
+REFERENCE_CPU = "cpu-2core"     # the machine whose pipeline run the chapter reads
 
 
 @dataclass(frozen=True)
@@ -164,10 +165,7 @@ def bench_pipeline(plan: PipelinePlan = PipelinePlan(), progress: Say = print) -
     return out
 
 
-def pipeline_recorded(results_dir: Path = RESULTS_DIR) -> tuple[str, dict, list[dict]] | None:
-    """(file, machine, records) of the latest results file with pipeline records, or None."""
-    rows = select("pipeline", results_dir)
-    if not rows:
-        return None
-    last = rows[-1][0]
-    return last, rows[-1][1], [r for f, _, r in rows if f == last]
+def pipeline_recorded(label: str = REFERENCE_CPU, results_dir: Path = RESULTS_DIR) -> Run | None:
+    """The run of `bench --pipeline` the chapter reads: machine `label`'s reference run (`records.reference`,
+    its pipeline records), or None where that machine has none."""
+    return reference("pipeline", label, results_dir)

@@ -18,7 +18,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from ref_impl.engine.random import args_for
-from ref_impl.measure import capstone, kv, latency, link, loads, pipeline, spec, unified
+from ref_impl.measure import (capstone, cupti, gemvdecode, kv, latency, layerlaunch, link, loads, ncu, pipeline, spec,
+                              unified)
 from ref_impl.measure.decode import bench_decode, bench_shape, roofs
 from ref_impl.measure.kernels import bench_kernels
 from ref_impl.measure.quant import bench_quant, bench_quant_groups
@@ -125,6 +126,20 @@ def show_kernels(records: list[dict]) -> list[str]:
     return out
 
 
+def show_gpu_probe(records: list[dict]) -> list[str]:
+    """The GPU probes' headline records (kernel-profile, layer-launch, gemv-decode, ncu): one line each."""
+    shown = ("tokens_per_s", "busy_ms_per_token", "logits_error", "max_error", "bandwidth", "launch_us",
+             "stall_share", "skipped")
+    out = []
+    for r in records:
+        if r["metric"] in shown and r["experiment"] != "roofs":
+            what = r.get("setting") or r["variant"] or ""
+            where = r.get("kernel") or (f"{tuple(r['shape'])}" if r.get("shape") else "")
+            out.append(f"  {r['experiment']:<14} {r['weights'] or '':<6} {what[:40]:<40} {where:<14} {r['metric']:<17} "
+                       f"{value_text(r):>10} {r['unit'] or ''} {r.get('note', '')[:200]}")
+    return show_summary(records) + out
+
+
 def show_spec(records: list[dict]) -> list[str]:
     out = []
     for r in records:
@@ -182,6 +197,13 @@ SUITES: dict[str, Suite] = {
     "quant": Suite(lambda a, work, say: bench_quant(Path(a.model), work, a.quant, a.ppl_tokens, a.prompt_len,
                                                     a.gen_tokens, a.repeats, peers=not a.no_peers), show_summary),
     "kernels": Suite(run_kernels, show_kernels),
+    "kernel_profile": Suite(lambda a, work, say: cupti.bench_kernel_profile(a.shape or "Llama-3.1-8B", progress=say),
+                            show_gpu_probe),
+    "layer_launches": Suite(lambda a, work, say: layerlaunch.bench_layer_launches(a.shape or "Llama-3.1-8B",
+                                                                                  progress=say), show_gpu_probe),
+    "gemv_decode": Suite(lambda a, work, say: gemvdecode.bench_gemv_decode(roof_bytes=a.roof_bytes, progress=say),
+                         show_gpu_probe),
+    "ncu": Suite(lambda a, work, say: ncu.bench_ncu(work, progress=say), show_gpu_probe),
     "shape": Suite(lambda a, work, say: bench_shape(a.shape, args_for(a.shape), a.weights, work, a.prompt_len,
                                                     a.gen_tokens, a.repeats, roof_bytes=a.roof_bytes), show_summary),
     "roofs": Suite(lambda a, work, say: roofs(a.roof_bytes), show_summary),

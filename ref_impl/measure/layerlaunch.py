@@ -1,0 +1,171 @@
+"""The fused layer's launch settings as data, and its kernels timed per setting ("layer-launch").
+
+`kernels/fusedlayer.py` launches each of its five kernels with settings from its tables: warps per block
+(WARPS), 16-byte loads per row in flight (UNROLL, dense and quantized), rows per warp (ROWS_PER_WARP) and
+attend's keys per split (KEYS_PER_SPLIT). A `Setting` names the entries a measurement changes; `applied`
+puts them in place for the length of a `with` block and `relaunch` recomputes the fused layers' launches
+from them, so the GPU runs exactly the setting recorded beside each number (`launch_fields`).
+
+`bench_layer_launches` (`python -m ref_impl bench --layer-launches`) times every fused kernel queued over
+the layers of random Llama-3.1-8B-shaped models, "q4q8" (4-bit groups of 32, v and down 8-bit: a Q4_K_M
+file's mix) and float16, per setting: ms a token and GB/s of each kernel (`measure.kernels.layer_kernel_ms`,
+graph built first, so the time is the GPU's) and the pipelined decode's tokens/s. The CUPTI profile
+(`cupti.py`) and Nsight Compute (`ncu.py`) use the same settings and models.
+
+See chapter: dispatch-kernel
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ref_impl.engine.model import Model
+from ref_impl.engine.random import args_for, random_model
+from ref_impl.kernels import fusedlayer
+from ref_impl.kernels.layers import on_cuda
+from ref_impl.measure.kernels import layer_kernel_ms
+from ref_impl.measure.records import record
+
+MIXES = ("q4q8", "F16")   # the weights the fused-layer probes measure (`mix_model`)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """Entries of the fused layer's launch tables that one measurement changes; empty: today's defaults.
+    unroll applies to the model measured (dense or quantized: `fusedlayer.UNROLL` keeps one of each)."""
+    warps: dict[str, int] = field(default_factory=dict)     # kernel -> warps per block
+    unroll: dict[str, int] = field(default_factory=dict)    # kernel -> 16-byte loads per row in flight
+    rows_per_warp: int | None = None
+    keys_per_split: int | None = None
+
+    @property
+    def changed(self) -> dict:
+        """What the setting changes, as the records keep it ({} for the defaults)."""
+        out = {"warps": dict(self.warps), "unroll": dict(self.unroll), "rows_per_warp": self.rows_per_warp,
+               "keys_per_split": self.keys_per_split}
+        return {k: v for k, v in out.items() if v not in ({}, None)}
+
+    @property
+    def label(self) -> str:
+        """"defaults", or the changes: "warps attn_out=16; unroll attn_in=2"."""
+        parts = [f"{k} " + (", ".join(f"{n}={x}" for n, x in v.items()) if isinstance(v, dict) else str(v))
+                 for k, v in self.changed.items()]
+        return "; ".join(parts) or "defaults"
+
+
+# the queued sweep's settings: today's defaults and their neighbours, one table entry at a time
+SWEEP = (Setting(), Setting(rows_per_warp=1), Setting(rows_per_warp=4),
+         Setting(warps={k: 4 for k in fusedlayer.KERNELS}), Setting(warps={k: 16 for k in fusedlayer.KERNELS}),
+         Setting(unroll={k: 8 for k in ("attn_in", "attn_out", "mlp_out")}),
+         Setting(keys_per_split=32), Setting(keys_per_split=128))
+
+
+@contextlib.contextmanager
+def applied(setting: Setting) -> Iterator[None]:
+    """The fused layer's launch tables with `setting`'s entries in place, restored on leaving (layers built
+    or relaunched inside keep the setting: `relaunch`)."""
+    saved = (fusedlayer.WARPS, fusedlayer.UNROLL, fusedlayer.ROWS_PER_WARP, fusedlayer.KEYS_PER_SPLIT)
+    fusedlayer.WARPS = {**saved[0], **setting.warps}
+    fusedlayer.UNROLL = {**saved[1], **{k: (u, u) for k, u in setting.unroll.items()}}
+    fusedlayer.ROWS_PER_WARP = setting.rows_per_warp or saved[2]
+    fusedlayer.KEYS_PER_SPLIT = setting.keys_per_split or saved[3]
+    try:
+        yield
+    finally:
+        fusedlayer.WARPS, fusedlayer.UNROLL, fusedlayer.ROWS_PER_WARP, fusedlayer.KEYS_PER_SPLIT = saved
+
+
+def relaunch(model: Model) -> int:
+    """Recompute every fused layer's launches from the tables as they stand and switch it on; returns how
+    many there are."""
+    fused = [b for b in model.layers if isinstance(b, fusedlayer.FusedLayer)]
+    for b in fused:
+        b.plan = fusedlayer.launches(b)
+        b.switch(True)
+    return len(fused)
+
+
+def launch_fields(quantized: bool) -> dict:
+    """The launch tables as they stand, for a dense or quantized model: what a record says ran."""
+    return {"warps": dict(fusedlayer.WARPS), "unroll": {k: v[int(quantized)] for k, v in fusedlayer.UNROLL.items()},
+            "rows_per_warp": fusedlayer.ROWS_PER_WARP, "keys_per_split": fusedlayer.KEYS_PER_SPLIT}
+
+
+def mix_model(weights: str, shape: str = "Llama-3.1-8B", layers: int | None = None, seed: int = 0) -> Model:
+    """A random float16 model of `shape` (`layers` of them, or all) in one of MIXES: "F16", or "q4q8":
+    every matrix but the LM head 4-bit in groups of 32, v and down 8-bit (a Q4_K_M file's mix)."""
+    if weights not in MIXES:
+        raise ValueError(f"weights {weights!r}: the fused-layer probes measure {' or '.join(MIXES)}")
+    args = args_for(shape, context=512)
+    model = random_model(replace(args, num_hidden_layers=layers) if layers else args, mx.float16, seed)
+    if weights == "q4q8":
+        nn.quantize(model, class_predicate=lambda path, m: isinstance(m, nn.Linear) and not path.endswith("lm_head")
+                    and {"group_size": 32, "bits": 8 if path.endswith(("v_proj", "down_proj")) else 4})
+    mx.eval(model.parameters())
+    return model
+
+
+def needs_cuda(experiment: str, **fields) -> list[dict]:
+    """One "skipped" record off MLX's CUDA backend (the fused kernels run nowhere else), else none."""
+    if on_cuda():
+        return []
+    return [record(experiment, "skipped", None, None, **fields,
+                   note=f"skipped: the fused layer needs MLX's CUDA backend; this is {mx.default_device()}")]
+
+
+def fused_or_skipped(experiment: str, model: Model, fields: dict) -> list[dict]:
+    """fusedlayer.fuse(model): [] when every layer fused, else one "skipped" record naming the first reason."""
+    left = fusedlayer.fuse(model)
+    if not left:
+        return []
+    i, why = next(iter(left.items()))
+    return [record(experiment, "skipped", None, None, **fields,
+                   note=f"{len(model.layers) - len(left)} of {len(model.layers)} layers fused; layer {i}: {why}")]
+
+
+def setting_records(model: Model, setting: Setting, fields: dict, context: int, tokens: int) -> list[dict]:
+    """layer-launch records of one setting: each kernel's ms a token queued (with its bytes and GB/s) at
+    `context` keys, and pipelined decode's tokens/s (`tokens` after a `context - tokens` prompt)."""
+    quantized = fields["weights"] != "F16"
+    with applied(setting):
+        relaunch(model)
+        per = layer_kernel_ms(model, context)
+        tps = 1 / fusedlayer.decode_seconds(model, tokens, context - tokens)
+        extra = {"variant": setting.label, "launch": launch_fields(quantized), "changed": setting.changed}
+    relaunch(model)
+    out = [record("layer-launch", "tokens_per_s", "tok/s", tps, **fields, **extra)]
+    for k, (ms, nbytes) in per.items():
+        out.append(record("layer-launch", "ms_per_token", "ms", ms, **fields, **extra, kernel=k,
+                          bytes_per_token=nbytes, gb_per_s=nbytes / ms / 1e6,
+                          note="the kernel of every layer queued, graph built first: GPU time"))
+    return out
+
+
+def bench_layer_launches(shape: str = "Llama-3.1-8B", settings: Sequence[Setting] = SWEEP, context: int = 192,
+                         tokens: int = 64, weights: Sequence[str] = MIXES,
+                         progress: Callable[[str], None] | None = None) -> list[dict]:
+    """The fused layer's kernels per launch setting on random `shape` models of each of `weights`: ms a token
+    and GB/s of each kernel queued over the layers at `context` keys, and decode tokens/s. Off MLX's CUDA
+    backend: one "skipped" record, at once."""
+    say = progress or (lambda msg: None)
+    out = needs_cuda("layer-launch", model=shape)
+    if out:
+        return out
+    for w in weights:
+        model = mix_model(w, shape)
+        fields = {"model": shape, "weights": w, "kv": "f16", "context": context}
+        refused = fused_or_skipped("layer-launch", model, fields)
+        out += refused
+        for setting in [] if refused else settings:
+            rec = setting_records(model, setting, fields, context, tokens)
+            out += rec
+            say(f"layer-launch {w} {setting.label}: {rec[0]['value']:.1f} tok/s; " + ", ".join(
+                f"{r['kernel']} {r['value']:.3f} ms {r['gb_per_s']:.0f} GB/s" for r in rec[1:]))
+        del model
+        mx.clear_cache()
+    return out
