@@ -219,6 +219,8 @@ def add_bench(sub) -> None:
     b.add_argument("--long-context", type=int, default=4096,
                    help="bench --capstone: the long-context case's prompt in tokens (0: leave the case out)")
     b.add_argument("--long-only", action="store_true", help="bench --capstone: the long-context case alone")
+    b.add_argument("--ppl-only", action="store_true",
+                   help="bench --capstone: the held-out perplexities alone (they time nothing: safe on a busy machine)")
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--no-peers", action="store_true", help="skip mlx-lm and llama.cpp")
     b.add_argument("--quant", nargs="+", metavar="TYPE", choices=list(FILE_TYPES),

@@ -321,6 +321,25 @@ def test_bench_capstone_long_only_on_a_shape_records_the_long_case_alone(tmp):
     assert {rec["kv"] for rec in records if rec["metric"] == "tokens_per_s"} >= {"f32", "sym8"}
 
 
+@pytest.mark.parametrize("flags, named", [(["--ppl-only", "--long-only"], "--long-only"),
+                                           (["--ppl-only", "--shape", "tiny"], "--shape")])
+def test_bench_capstone_ppl_only_refuses_what_it_cannot_do(tmp, flags, named):
+    r = cli("bench", "--capstone", "--quick", *flags, "--out", tmp / "refused")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and named in r.stderr
+    assert not (tmp / "refused").exists()
+
+
+def test_bench_capstone_ppl_only_scores_text_and_times_nothing(tmp):
+    out = tmp / "ppl-only"
+    r = cli("bench", "--capstone", "--quick", "--ppl-only", "--out", out, "--work-dir", tmp)
+    assert r.returncode == 0, r.stderr
+    (path,) = out.glob("*.json")
+    records = json.loads(path.read_text())["records"]
+    assert {rec["experiment"] for rec in records} == {"capstone-ppl"}      # no roofs: a busy machine's are no roof
+    assert {rec["weights"] for rec in records} == {"F32", "Q4_K_M"}
+    assert all(rec["metric"] == "heldout_perplexity" and 1 < rec["value"] < 512 for rec in records)
+
+
 def test_bench_capstone_quick_writes_the_records_the_chapter_reads(tmp):
     from ref_impl.measure import capstone
     from ref_impl.measure.records import reference

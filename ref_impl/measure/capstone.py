@@ -76,17 +76,26 @@ class CapstonePlan:
     ppl_context: int = 0             # held-out perplexity: window length (0: the model's context)
     ppl_tokens: int = 0              # and tokens scored (0: the whole held-out text, `evaluate.heldout_losses`)
     bandwidth_bytes: int = 1 << 30   # the array decode.roofs copies and reads
-    ladder: bool = True              # False: the long-context case only (its own run where a call's time is short)
+    part: str = "all"                # or one part alone: "long" (where a call's time is short) or "ppl" (perplexity
+                                     # times nothing: it may run while the machine is busy)
+
+    @property
+    def ladder(self) -> bool:
+        return self.part == "all"
 
     @classmethod
     def for_device(cls, gpu: bool, quick: bool = False, prompt_len: int = 128, gen_tokens: int = 128,
-                   long_context: int = 4096, ladder: bool = True) -> CapstonePlan:
-        if not ladder and long_context <= 0:
+                   long_context: int = 4096, part: str = "all") -> CapstonePlan:
+        if part not in ("all", "long", "ppl"):
+            raise ValueError(f"unknown capstone part {part!r}: all, long or ppl")
+        if part == "long" and long_context <= 0:
             raise ValueError("--long-only needs a long-context case: --long-context must be positive")
+        if part == "ppl":
+            long_context = 0
         if quick:
-            return cls(prompts=2, prompt_len=16, gen_tokens=8, long_context=96, long_tokens=4, ppl_context=32,
-                       ppl_tokens=32, bandwidth_bytes=64 << 20, ladder=ladder)
-        return cls(prompts=4, prompt_len=prompt_len, gen_tokens=gen_tokens, long_context=long_context, ladder=ladder)
+            return cls(prompts=2, prompt_len=16, gen_tokens=8, long_context=long_context and 96, long_tokens=4,
+                       ppl_context=32, ppl_tokens=32, bandwidth_bytes=64 << 20, part=part)
+        return cls(prompts=4, prompt_len=prompt_len, gen_tokens=gen_tokens, long_context=long_context, part=part)
 
 
 @dataclass(frozen=True)
@@ -353,8 +362,8 @@ def bench_capstone(model_path: str | Path, draft_path: str | Path | None, heads_
     say = progress or (lambda msg: None)
     work.mkdir(parents=True, exist_ok=True)
     rows = tuple(sorted({1, *(g + 1 for g in (plan.gamma, plan.mtp_gamma) if g + 1 <= kernels.MAX_ROWS)}))
-    out = roofs(plan.bandwidth_bytes)
-    roof = fastest_bandwidth(out)
+    out = [] if plan.part == "ppl" else roofs(plan.bandwidth_bytes)   # a busy machine's roofs would be no roof
+    roof = fastest_bandwidth(out) if out else 0.0
     rng = np.random.default_rng(seed)
     if shape:
         args = args_for(shape, max(plan.long_context, plan.prompt_len + plan.gen_tokens) + plan.long_tokens + 8)
@@ -391,7 +400,7 @@ def bench_capstone(model_path: str | Path, draft_path: str | Path | None, heads_
                                            plan.prompt_len, plan.gen_tokens, 3)
     if long_prompt:
         out += long_records(plan, weights, long_prompt, peers, roof, say)
-    if plan.ladder and tokenizer is not None:
+    if plan.part in ("all", "ppl") and tokenizer is not None:
         out += perplexity_records(plan, weights, tokenizer, say)
     del weights
     gc.collect()

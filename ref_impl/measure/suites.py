@@ -51,10 +51,15 @@ def run_spec(a: argparse.Namespace, work: Path, say: Say) -> list[dict]:
 
 def run_capstone(a: argparse.Namespace, work: Path, say: Say) -> list[dict]:
     """bench --capstone: the shipped model with --draft and its MTP heads (as --spec finds them), or --shape."""
-    heads = None if a.shape else _heads(a)
-    plan = capstone.CapstonePlan.for_device(_on_gpu(), a.quick, a.prompt_len, a.gen_tokens,
-                                             a.long_context, not a.long_only)
-    return capstone.bench_capstone(Path(a.model), None if a.shape else Path(a.draft), heads, work, plan, a.shape,
+    if a.long_only and a.ppl_only:
+        raise ValueError("bench --capstone: --long-only and --ppl-only each ask for one part alone; give one")
+    if a.ppl_only and a.shape:
+        raise ValueError("bench --capstone --ppl-only scores held-out text: a --shape has random weights and no text")
+    heads = None if a.shape or a.ppl_only else _heads(a)
+    part = "long" if a.long_only else "ppl" if a.ppl_only else "all"
+    plan = capstone.CapstonePlan.for_device(_on_gpu(), a.quick, a.prompt_len, a.gen_tokens, a.long_context, part)
+    draft = None if a.shape or a.ppl_only else Path(a.draft)
+    return capstone.bench_capstone(Path(a.model), draft, heads, work, plan, a.shape,
                                    peers=not a.no_peers, llama_bench=Path(a.llama_bench) if a.llama_bench else None,
                                    progress=say)
 
