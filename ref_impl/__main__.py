@@ -219,8 +219,7 @@ def add_bench(sub) -> None:
     b.add_argument("--long-context", type=int, default=4096,
                    help="bench --capstone: the long-context case's prompt in tokens (0: leave the case out)")
     b.add_argument("--long-only", action="store_true", help="bench --capstone: the long-context case alone")
-    b.add_argument("--ppl-only", action="store_true",
-                   help="bench --capstone: the held-out perplexities alone (they time nothing: safe on a busy machine)")
+    b.add_argument("--ppl-only", action="store_true", help="bench --capstone: perplexities alone (timing nothing)")
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--no-peers", action="store_true", help="skip mlx-lm and llama.cpp")
     b.add_argument("--quant", nargs="+", metavar="TYPE", choices=list(FILE_TYPES),
@@ -237,8 +236,7 @@ def add_bench(sub) -> None:
                    help="this machine's roofs alone: memory probes (MLX copy and read; numpy's copy on a CPU) and the "
                         "matmul peak; --model, --shape, --kernels and --capstone record them too")
     b.add_argument("--roof-bytes", type=int, default=1 << 30, help="the array the memory probes copy and read (bytes)")
-    b.add_argument("--link", action="store_true",
-                   help="copy bandwidth: host memory (numpy) and host<->device through PyTorch if it sees a GPU")
+    b.add_argument("--link", action="store_true", help="copy bandwidth: host memory, host<->device through PyTorch")
     b.add_argument("--link-budget", type=float, default=60.0, help="seconds --link may spend on device copies")
     b.add_argument("--link-max-bytes", type=int, default=1 << 30, help="largest transfer --link times (bytes)")
     b.add_argument("--kernels", action="store_true",

@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 
 from ref_impl.measure import records
+from ref_impl.measure.link import HOST_COPY
 from ref_impl.theory import interconnect as ic
 from ref_impl.theory import roofline, shapes
+from tests.test_records import write
 
 
 def test_pcie_link_rates_by_hand():
@@ -131,3 +133,16 @@ def test_pipeline_grid_beats_streaming_over_the_same_link_where_weights_overflow
     assert all(r["pipeline"] > 10 * r["stream"] and r["link_share"] < 0.1 for r in rows)   # even at 300 us a hop
     assert {r["link"] for r in rows} == set(ic.LINKS)
     assert {r["model"] for r in rows} == {"Llama-3.1-8B", "Llama-3.1-70B"}
+
+
+def test_the_chapters_host_copies_are_each_machines_newest_complete_link_run(tmp_path):
+    copies = lambda *gbs: [records.record("link", "copy_bandwidth", "GB/s", v, variant=HOST_COPY, bytes=4096 << 2 * i)
+                           for i, v in enumerate(gbs)]
+    pinned = records.record("link", "copy_bandwidth", "GB/s", 50.0, variant="h2d pinned", bytes=4096)
+    write(tmp_path, "a-1.json", "a", "2026-01-01T00:00:00+00:00", copies(1.0, 2.0))
+    write(tmp_path, "a-2.json", "a", "2026-01-02T00:00:00+00:00", copies(3.0, 4.0) + [pinned])
+    write(tmp_path, "a-3.json", "a", "2026-01-03T00:00:00+00:00", copies(5.0, float("nan")))   # failed: skipped
+    write(tmp_path, "b-1.json", "b", "2026-01-01T00:00:00+00:00", [pinned])                    # no host copies
+    ref = records.references("link", tmp_path, variant=HOST_COPY, metric="copy_bandwidth")
+    assert {label: run.file for label, run in ref.items()} == {"a": "a-2.json"}
+    assert sorted((r["bytes"], r["value"]) for r in ref["a"].records) == [(4096, 3.0), (16384, 4.0)]

@@ -497,7 +497,7 @@ def test_bench_kernels_off_cuda_is_one_skipped_record(tmp_path, monkeypatch):
     def measured(*_):
         raise AssertionError("off CUDA, bench --kernels measures nothing")
 
-    monkeypatch.setattr(suite, "memory_bandwidth", measured)
+    monkeypatch.setattr(suite, "roofs", measured)
     records = bench_kernels("Llama-3.1-8B", args_for("Llama-3.1-8B"), ["Q4_K"], tmp_path)
     assert len(records) == 1 and not any(tmp_path.iterdir())
     assert records[0]["metric"] == "skipped" and "needs MLX's CUDA backend" in records[0]["note"]

@@ -171,6 +171,21 @@ def test_break_even_by_hand():
     assert break_even(rows[:4])["break_even_elements"] is None
 
 
+def test_live_readings_the_ledger_shows_are_measured_here_once_per_process():
+    """measure_launch_floor, measure_compile and measure_wired (moved out of the ledger, which only judges): the
+    ledger's live readings, sane and typed, timed once per process (the second call returns the first's result)."""
+    device, floors = latency.measure_launch_floor(2)
+    assert device == str(mx.default_device()) and len(floors) == 2 and min(floors) > 0
+    assert latency.measure_launch_floor(2) == (device, floors)
+    costs = latency.measure_compile(2)
+    assert len(costs) == 2 and all(isinstance(c, CompileCost) and c.first_call_ms > 0 for c in costs)
+    assert latency.measure_compile(2) is costs
+    reads = latency.measure_wired(1 << 20, 256 << 10, rounds=2)
+    assert list(reads) == ["first_touch", "prefaulted", "mlocked"]
+    assert all(len(r) == 2 and all(w.variant == k and w.gb_per_s > 0 for w in r) for k, r in reads.items())
+    assert latency.measure_wired(1 << 20, 256 << 10, rounds=2) is reads
+
+
 def test_kv_jitter(tiny):
     runs = kv_jitter(tiny, n_tokens=12, prompt_len=4, warmup_tokens=4)
     assert [r.strategy for r in runs] == list(CACHES)

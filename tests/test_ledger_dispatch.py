@@ -1,17 +1,40 @@
 """The command-buffer checks (C01, C21, C31): each rule on synthetic evidence either side of its thresholds, the
-queue model by hand, the evidence as recorded, and pending when a GPU's results are missing."""
+queue model by hand, the evidence as recorded, each machine's newest complete run read and named (a synthetic
+results folder of two runs per machine), the live reading measured in measure/ and shown only, and pending when a
+GPU's results are missing. `write_run` and `results_in` serve the other dispatch ledger tests too."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 
 from ref_impl import ledger
 from ref_impl.ledger.dispatch import C21Evidence, C31Evidence, LaunchFloor, LayerEvalRun, SyncRun
+from ref_impl.measure import latency
+from ref_impl.measure.records import record
 
 
 def no_results(monkeypatch, tmp_path) -> None:
-    """The ledger as a fresh clone without results/ would compute it: core.results reads an empty folder."""
-    monkeypatch.setattr(ledger.core, "RESULTS_DIR", tmp_path)
+    """The ledger as a fresh clone without results/ would compute it: it reads an empty folder."""
+    results_in(monkeypatch, tmp_path)
+
+
+def results_in(monkeypatch, folder: Path) -> None:
+    """The ledger reads its results from `folder` (ledger.core.RESULTS_DIR, which every rule passes to the
+    selector)."""
+    monkeypatch.setattr(ledger.core, "RESULTS_DIR", folder)
+
+
+def write_run(folder: Path, label: str, backend: str, day: int, recs: list[dict]) -> str:
+    """A results file of machine `label` dated `day` Jan 2026 (1-9), as bench writes it; its file name."""
+    name = f"{label}-2026010{day}.json"
+    machine = {"label": label, "backend": backend, "cpu": "x"}
+    doc = {"schema": 1, "date": f"2026-01-0{day}T00:00:00+00:00", "git": f"abc000{day}",
+           "command": "python -m ref_impl bench --dispatch", "machine": machine, "records": recs}
+    (folder / name).write_text(json.dumps(doc))
+    return name
 
 
 # ---- the rules on synthetic evidence ----------------------------------------------------------------
@@ -111,22 +134,55 @@ def test_c01_recorded_rounds_and_losses():
                                                  len(rec[lab, model, var, "tokens_per_s"]["samples"]))
 
 
-def _fake_records(monkeypatch, rows):
-    """rows: (label, backend, model, variant, metric, value) -> what dispatch_records returns for any experiment."""
-    rec = {(lab, model, var, metric): {"value": v, "backend": b} for lab, b, model, var, metric, v in rows}
-    monkeypatch.setattr(ledger.dispatch, "dispatch_records", lambda experiment: rec)
+def dispatch_run(sync: float, layer: float, floor_us: float) -> list[dict]:
+    """One machine's dispatch records of the tiny model and kernel latencies: a sync loop at `sync` tok/s against
+    100 pipelined, an eval per layer at `layer` tok/s against one graph per token at 100, one add at `floor_us`."""
+    tok = dict(model="tiny", context=48)
+    rounds = lambda v: [v - 1.0, v, v + 1.0]                                          # noqa: E731
+    recs = [record("dispatch-async", "tokens_per_s", "tok/s", v, variant=var, samples=rounds(v), **tok)
+            for var, v in (("sync", sync), ("async_eval", 100.0))]
+    recs += [record("dispatch-layer-eval", "tokens_per_s", "tok/s", v, variant=var, samples=rounds(v), **tok)
+             for var, v in (("layer_eval", layer), ("per_token_graph", 100.0))]
+    recs += [record("dispatch-layer-eval", "extra_us_per_layer_eval", "us", 45.0, variant="layer_eval", layers=4,
+                    **tok)]
+    recs += [record("kernel-latency", "per_op_us", "us", floor_us * (1 if n <= 4096 else n / 4096), weights="F32",
+                    variant="chain=1", elements=n) for n in (1, 4096, 1 << 20)]
+    return recs
+
+
+def test_each_machine_reads_its_newest_complete_run_and_names_it(monkeypatch, tmp_path):
+    write_run(tmp_path, "gpu", "cuda", 1, dispatch_run(sync=50.0, layer=50.0, floor_us=40.0))     # older
+    newer = write_run(tmp_path, "gpu", "cuda", 2, dispatch_run(sync=80.0, layer=70.0, floor_us=20.0))
+    failed = dispatch_run(sync=float("nan"), layer=1.0, floor_us=1.0)          # its one measurement failed (a NaN)
+    write_run(tmp_path, "gpu", "cuda", 3, [r for r in failed if r["experiment"] == "dispatch-async"])
+    write_run(tmp_path, "cpu", "cpu", 1, dispatch_run(sync=10.0, layer=150.0, floor_us=90.0))
+    cpu = write_run(tmp_path, "cpu", "cpu", 2, dispatch_run(sync=90.0, layer=120.0, floor_us=30.0))
+    results_in(monkeypatch, tmp_path)
+    for experiment in ("dispatch-async", "dispatch-layer-eval", "kernel-latency"):
+        assert {k: r.file for k, r in ledger.dispatch_runs(experiment).items()} == {"gpu": newer, "cpu": cpu}
+    rec = ledger.dispatch_records("dispatch-async")
+    assert rec["gpu", "tiny", "sync", "tokens_per_s"]["value"] == 80.0
+    assert rec["gpu", "tiny", "sync", "tokens_per_s"]["caption"] == f"gpu, 2 Jan 2026, commit abc0002 (results/{newer})"
+    v21 = ledger.check("C21", live=False)
+    assert v21.evidence["throughput lost by syncing each token, tiny (gpu)"].value == pytest.approx(20.0)
+    assert v21.evidence["context, CPU: throughput lost by syncing each token, tiny (cpu)"].value == pytest.approx(10.0)
+    v01 = ledger.check("C01", live=False)
+    assert v01.evidence["throughput lost to the evals, tiny (gpu)"].value == pytest.approx(30.0)
+    v31 = ledger.check("C31", live=False)
+    assert v31.evidence["µs per kernel, smallest sizes, chain=1 (gpu)"].value == 20.0
+    for v in (v01, v21, v31):                  # the source names the runs read, and no other
+        assert f"results/{newer}" in v.source and f"results/{cpu}" in v.source
+        assert "20260101" not in v.source and "20260103" not in v.source
 
 
 def test_c01_and_c21_are_pending_without_a_gpu_run(monkeypatch, tmp_path):
-    _fake_records(monkeypatch, [("cpu", "cpu", "tiny", "layer_eval", "tokens_per_s", 120.0),
-                                ("cpu", "cpu", "tiny", "per_token_graph", "tokens_per_s", 100.0),
-                                ("cpu", "cpu", "tiny", "sync", "tokens_per_s", 90.0),
-                                ("cpu", "cpu", "tiny", "async_eval", "tokens_per_s", 100.0)])
+    write_run(tmp_path, "cpu", "cpu", 1, dispatch_run(sync=90.0, layer=120.0, floor_us=30.0))
+    results_in(monkeypatch, tmp_path)
     for cid in ("C01", "C21"):
         v = ledger.check(cid, live=False)
         assert v.status == "pending" and "python -m ref_impl bench --dispatch" in v.summary, cid
-    monkeypatch.undo()
-    no_results(monkeypatch, tmp_path)
+    assert ledger.check("C31", live=False).status == "refuted"      # a CPU's kernel latencies decide C31
+    no_results(monkeypatch, tmp_path / "empty")
     for cid in ("C01", "C21", "C31"):
         assert ledger.check(cid, live=False).status == "pending", cid
 
@@ -139,9 +195,10 @@ def test_c31_recorded_latencies_are_all_above_a_microsecond():
     assert not any(k.startswith("live") for k in v.evidence)
 
 
-def test_c31_live_reading_is_shown_and_never_decides(monkeypatch):
-    monkeypatch.setattr(ledger.dispatch, "measure_launch_floor", lambda: ("Device(gpu, 0)", ledger.Number(0.1, "µs")))
+def test_c31_live_reading_is_measured_in_measure_shown_and_never_decides(monkeypatch):
+    monkeypatch.setattr(latency, "measure_launch_floor", lambda: ("Device(gpu, 0)", (0.1, 0.2, 0.05)))
     v = ledger.check("C31", live=True)
     assert v.status == ledger.check("C31", live=False).status == "refuted"
-    assert v.evidence["live: µs per kernel, one add on ≤ 4096 values (Device(gpu, 0))"].value == 0.1
-    assert v.source.startswith("live")
+    n = v.evidence["live: µs per kernel, one add on ≤ 4096 values (Device(gpu, 0))"]
+    assert (n.value, n.low, n.high, n.rounds) == (0.1, 0.05, 0.2, 3)
+    assert v.source.startswith("live: ref_impl.measure.latency.measure_launch_floor")

@@ -1,10 +1,14 @@
 """The caching and workspace checks (C02, C09, C15, C28): their rules on synthetic evidence (RULE_CASES,
-both sides of every threshold), their evidence on the recorded results, and pending without them."""
+both sides of every threshold), their evidence on the recorded results, each machine's newest complete run read
+and named (a synthetic results folder of two runs per machine), C02's copy timed against the one measured
+bandwidth (`records.bandwidth`), live readings measured in measure/ and shown only, and pending without results."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import replace
+
+import pytest
 
 from ref_impl import ledger
 from ref_impl.ledger.core import Number
@@ -21,11 +25,11 @@ from ref_impl.ledger.dispatch_caching import (
     WiredReads,
     growth_share,
 )
-
-
-def no_results(monkeypatch, tmp_path) -> None:
-    """The ledger as a fresh clone without results/ would compute it: core.results reads an empty folder."""
-    monkeypatch.setattr(ledger.core, "RESULTS_DIR", tmp_path)
+from ref_impl.measure import latency, records
+from ref_impl.measure.latency import CompileCost
+from ref_impl.measure.loads import WiredRead
+from ref_impl.measure.records import record
+from tests.test_ledger_dispatch import no_results, results_in, write_run
 
 
 # ---- synthetic evidence ----------------------------------------------------------------------------
@@ -51,7 +55,7 @@ def kv(*shares: float, concat_pauses: int = 0) -> KVJitter:
     runs = {(f"m{i % 2}", f"model{i}"): {"static": cache(), "concat": cache(concat_pauses if i == 0 else 0),
                                          "chunked": cache(3 if s > 0.5 else 0, s, 500.0 if s > 0.5 else 12.0)}
             for i, s in enumerate(shares)}
-    return KVJitter(runs, {"m0": 3000.0})
+    return KVJitter(runs, {"m0": (3000.0, "m0, 1 Jan 2026, commit abc0001 (results/m0-20260101.json)")})
 
 
 def wired(label: str = "linux", locked: bool = True) -> WiredReads:
@@ -127,7 +131,7 @@ def test_growth_pauses_finds_the_steps_by_hand():
 # ---- on the recorded results ------------------------------------------------------------------------
 
 def test_c09_c28_read_the_recorded_first_call_results(monkeypatch, tmp_path):
-    rec = ledger.first_call_recorded()
+    rec = {label: ledger.first_call_recorded(run) for label, run in ledger.dispatch_runs("first-call").items()}
     gpu = [lab for lab, d in rec.items() if d["backend"] == "cuda"]
     assert gpu, "results/ holds an H200 first-call run"
     g = gpu[0]
@@ -158,8 +162,10 @@ def test_c02_pauses_sit_at_growth_steps_and_concat_never_pauses(monkeypatch, tmp
     concat = sum(n.value for k, n in ev.items() if k.startswith("concat: pauses over"))
     shares = [n.value for k, n in ev.items() if k.startswith("chunked: share of the ITL variance")]
     assert v.status == ledger.core.decide(all(s > 50 for s in shares) and concat > 0, not any(s > 50 for s in shares))
-    copy = ev["copying the whole chunked cache once at the measured copy bandwidth (h200)"].value
+    copy = ev["copying the whole chunked cache once at the measured bandwidth (h200)"].value
     assert ev["chunked: longest ITL (Llama-3.1-8B, h200)"].value > 100 * copy          # the pause is not the copy
+    gbs, source = records.bandwidth(ledger.dispatch_runs("kv-jitter")["h200"])       # the one measured bandwidth
+    assert ev["measured bandwidth (h200)"].value == gbs and source.caption in v.source
     assert 100 < ev["concat: cache at the end (Llama-3.1-8B, h200)"].value < 1000   # book/dispatch/ttft-jitter reads it
     static = sum(n.value for k, n in ev.items() if k.startswith("static: pauses over"))
     assert f"paused {static:,.0f} time" in v.summary
@@ -180,3 +186,113 @@ def test_c15_faults_one_per_page_and_says_not_testable(monkeypatch, tmp_path):
     no_results(monkeypatch, tmp_path)
     v = ledger.check("C15", live=False)
     assert v.status == "pending" and "bench --dispatch" in v.summary
+
+
+# ---- which run: each machine's newest complete one, named ----------------------------------------------
+
+VARIANTS = ("first_touch", "prefaulted", "mlocked")
+
+
+def first_call_run(first_ms: float) -> list[dict]:
+    """A first-call run: a fresh process's first token `first_ms`, every other first token 2 ms, steady 1 ms."""
+    recs = []
+    for p in (1, 2):
+        where = {"variant": f"process-{p}", "process": p}
+        for run in (1, 2):
+            t = [first_ms if (p, run) == (1, 1) else 2.0] + [1.0] * 7
+            recs += [record("first-call", "token_ms", "ms", t[0], samples=t, model="m", run=run, **where),
+                     record("first-call", "steady_token_ms", "ms", 1.0, model="m", run=run, **where)]
+        recs.append(record("first-call", "process_s", "s", 10.0 / p, model="m", **where))
+        recs += [record("first-call", metric, "ms", ms, **{**where, "variant": "mx.compile"})
+                 for metric, ms in (("first_call_ms", 900.0), ("later_call_ms", 1.0))]
+    return recs
+
+
+def kv_jitter_run(pause_ms: float, cache_bytes: float = 1e8) -> list[dict]:
+    """A kv-jitter run of the tiny model: 600 ITLs of 1 ms after a 32-token prompt for each cache, the chunked one
+    pausing `pause_ms` at its growth to 512 positions (ITL 479)."""
+    recs = []
+    for s in ("static", "chunked", "concat"):
+        itl = [1.0] * 600
+        if s == "chunked":
+            itl[479] = pause_ms
+        where = {"model": "tiny", "context": 32 + 600 + 1, "variant": s}
+        recs += [record("kv-jitter", "itl_ms", "ms", sum(itl) / len(itl), samples=itl, **where)]
+        recs += [record("kv-jitter", metric, unit, value, **where) for metric, unit, value in (
+            ("itl_p50_ms", "ms", 1.0), ("itl_p99_ms", "ms", 1.0), ("itl_max_ms", "ms", max(itl)),
+            ("cache_bytes", "B", cache_bytes), ("peak_memory", "B", 3e8), ("active_memory_before", "B", 1e8))]
+    return recs
+
+
+def wired_run(gbs: float) -> list[dict]:
+    """A wired run of a 64 MiB buffer read 4 MiB at a time, every variant at `gbs` GB/s."""
+    recs = []
+    for variant in VARIANTS:
+        extra = {"variant": variant, "bytes": 64 << 20, "tensor_bytes": 4 << 20,
+                 "locked": True if variant == "mlocked" else None}
+        recs += [record("wired", "read_bandwidth", "GB/s", gbs, **extra),
+                 record("wired", "minor_faults", "faults", 16384.0 if variant == "first_touch" else 0.0, **extra),
+                 record("wired", "major_faults", "faults", 0.0, **extra),
+                 record("wired", "tensor_read_max_ms", "ms", 0.5, samples=[0.2] * 16, **extra)]
+    return recs
+
+
+def roofs_run(gbs: float) -> list[dict]:
+    """A roofs run: an MLX copy at half `gbs`, a read at `gbs` (the fastest probe, the measured bandwidth)."""
+    return [record("roofs", "bandwidth", "GB/s", gbs / 2, variant="copy"),
+            record("roofs", "bandwidth", "GB/s", gbs, variant="read")]
+
+
+@pytest.fixture()
+def two_runs_per_machine(monkeypatch, tmp_path):
+    """A results folder where each machine ran the dispatch suite twice (and once more, failed, on the GPU), and
+    the GPU ran its roofs twice, on other days: (newest complete GPU run, newest roofs run, newest CPU run)."""
+    write_run(tmp_path, "gpu", "cuda", 1, roofs_run(1000.0))
+    write_run(tmp_path, "gpu", "cuda", 2, first_call_run(5000.0) + kv_jitter_run(50.0) + wired_run(3.0))
+    gpu = write_run(tmp_path, "gpu", "cuda", 3, first_call_run(8000.0) + kv_jitter_run(400.0) + wired_run(19.0))
+    roofs = write_run(tmp_path, "gpu", "cuda", 4, roofs_run(4000.0))
+    write_run(tmp_path, "gpu", "cuda", 5, kv_jitter_run(float("nan")))             # a failed measurement
+    write_run(tmp_path, "cpu", "cpu", 1, first_call_run(3.0) + kv_jitter_run(1.0) + wired_run(2.0))
+    cpu = write_run(tmp_path, "cpu", "cpu", 2, first_call_run(4.0) + kv_jitter_run(1.0) + wired_run(5.0))
+    results_in(monkeypatch, tmp_path)
+    return gpu, roofs, cpu
+
+
+def test_each_machine_reads_its_newest_complete_run_and_names_it(two_runs_per_machine):
+    gpu, roofs, cpu = two_runs_per_machine
+    for experiment in ("first-call", "kv-jitter", "wired"):
+        assert {k: r.file for k, r in ledger.dispatch_runs(experiment).items()} == {"gpu": gpu, "cpu": cpu}
+    v28 = ledger.check("C28", live=False)
+    assert v28.status == "confirmed"
+    assert v28.evidence["first token, fresh process, empty kernel cache (gpu)"].value == 8000
+    v15 = ledger.check("C15", live=False)
+    assert v15.evidence["prefaulted: read rate, median of repeats (gpu)"].value == 19.0
+    assert v15.evidence["prefaulted: read rate, median of repeats (cpu)"].value == 5.0
+    v02 = ledger.check("C02", live=False)
+    assert v02.evidence["chunked: longest ITL (tiny, gpu)"].value == 400.0
+    for v in (v28, v15, v02):          # each names the runs it read, and no older one
+        assert f"results/{gpu}" in v.source and f"results/{cpu}" in v.source and "gpu-20260102" not in v.source
+
+
+def test_c02_times_the_copy_at_the_machines_reference_bandwidth_and_names_that_run(two_runs_per_machine):
+    gpu, roofs, cpu = two_runs_per_machine
+    v = ledger.check("C02", live=False)
+    # the kv-jitter run recorded no probe: its machine's reference roofs run (the newest), fastest probe 4,000 GB/s
+    assert v.evidence["measured bandwidth (gpu)"].value == 4000.0
+    assert v.evidence["copying the whole chunked cache once at the measured bandwidth (gpu)"].value == pytest.approx(
+        2 * 100 / 4000)                                                      # read and write 100 MB: ms
+    assert f"measured bandwidth: gpu, 4 Jan 2026, commit abc0004 (results/{roofs})" in v.source
+    assert "at gpu's measured bandwidth (4,000 GB/s)" in v.summary and "20260101" not in v.source
+
+
+def test_live_readings_come_from_measure_and_never_decide(monkeypatch, two_runs_per_machine):
+    costs = tuple(CompileCost(4096, 8, first, 0.1, 0.2, 0.05) for first in (900.0, 3.0, 2.0, 2.5, 3.5))
+    reads = {k: tuple(WiredRead(k, 16 << 20, 1 << 20, 2.0, gbs, (0.1,) * 16, 4096 if k == "first_touch" else 0, 0,
+                                None) for gbs in (8.0, 9.0, 10.0)) for k in VARIANTS}
+    monkeypatch.setattr(latency, "measure_compile", lambda rounds: costs[:rounds])
+    monkeypatch.setattr(latency, "measure_wired", lambda rounds: {k: r[:rounds] for k, r in reads.items()})
+    for cid, key, value in (("C28", "live mx.compile first call of a new function", 3.0),
+                            ("C15", "live prefaulted: read rate", 9.0)):
+        live, recorded = ledger.check(cid, live=True), ledger.check(cid, live=False)
+        assert live.status == recorded.status and live.evidence[key].value == value
+        assert "does not decide" in live.summary and key not in recorded.evidence

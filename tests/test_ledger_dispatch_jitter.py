@@ -1,4 +1,5 @@
-"""The TTFT and jitter check (C16) on synthetic and recorded runs, and the one definition of a pause both
+"""The TTFT and jitter check (C16) on synthetic and recorded runs, each machine's newest complete kv-jitter run
+read and named (a synthetic results folder of two runs per machine), and the one definition of a pause both
 dispatch pages read."""
 
 from __future__ import annotations
@@ -8,11 +9,8 @@ import pytest
 
 from ref_impl import ledger
 from ref_impl.ledger.dispatch_jitter import C16Evidence, CacheRuns
-
-
-def no_results(monkeypatch, tmp_path) -> None:
-    """The ledger as a fresh clone without results/ would compute it: core.results reads an empty folder."""
-    monkeypatch.setattr(ledger.core, "RESULTS_DIR", tmp_path)
+from tests.test_ledger_dispatch import no_results, results_in, write_run
+from tests.test_ledger_dispatch_caching import kv_jitter_run
 
 
 def runs(model: str, concat: float, chunked: float = 1.02, pauses: tuple = (), backend: str = "cuda") -> CacheRuns:
@@ -66,7 +64,7 @@ def test_c16_reads_the_recorded_kv_jitter_runs(monkeypatch, tmp_path):
     v = ledger.check("C16", live=False)
     traces = ledger.jitter_traces()
     assert traces and "locks are not testable here" in v.summary
-    assert all(f"results/{t.file}" in v.source for t in traces)
+    assert all(t.caption in v.source for t in traces)
     for t in traces:    # prompt + generated tokens = context: ITLs are one fewer than the tokens
         assert t.prompt_len >= 1 and t.prompt_len + len(t.itl_ms) + 1 <= 1 << 16
     # the median ratios are what numpy says of the recorded samples
@@ -94,10 +92,24 @@ def test_both_dispatch_pages_count_pauses_by_one_definition():
     assert p["paused"] == [512] and [int(ledger.JitterTrace("f", "g", "cuda", "m", "chunked", 32, itl).positions[i])
                                      for i in pauses] == p["paused"]
     # on the recorded runs the two pages agree pause for pause
-    kv = ledger.kv_recorded()
+    kv = {label: ledger.kv_recorded(run) for label, run in ledger.dispatch_runs("kv-jitter").items()}
     for t in ledger.jitter_traces():
         d = kv[t.machine][t.model, t.strategy]
         idx, _ = ledger.growth_pauses(d["itl"], d["prompt_len"])
         assert d["prompt_len"] == t.prompt_len
         assert sorted(int(t.positions[i]) for i in idx) == sorted(
             threshold_pos for k in ("paused", "off_threshold") for threshold_pos in ledger.threshold_pauses(t)[k])
+
+
+def test_c16_reads_each_machines_newest_complete_run_and_names_it(monkeypatch, tmp_path):
+    write_run(tmp_path, "gpu", "cuda", 1, kv_jitter_run(50.0))
+    gpu = write_run(tmp_path, "gpu", "cuda", 2, kv_jitter_run(400.0))
+    write_run(tmp_path, "gpu", "cuda", 3, kv_jitter_run(float("nan")))         # a failed measurement
+    cpu = write_run(tmp_path, "cpu", "cpu", 1, kv_jitter_run(1.0))
+    results_in(monkeypatch, tmp_path)
+    traces = ledger.jitter_traces()
+    assert {(t.machine, t.caption.split("results/")[1].rstrip(")")) for t in traces} == {("gpu", gpu), ("cpu", cpu)}
+    assert {t.prompt_len for t in traces} == {32} and len(traces) == 6
+    v = ledger.check("C16", live=False)
+    assert v.evidence["GPU chunked threshold pauses: longest"].value == 400.0      # the newer run's pause
+    assert f"results/{gpu}" in v.source and f"results/{cpu}" in v.source and "gpu-20260101" not in v.source

@@ -4,11 +4,15 @@ are shown but never decide."""
 
 from __future__ import annotations
 
+import ast
+import json
+from pathlib import Path
+
 import pytest
 
 from ref_impl import ledger
 from ref_impl.ledger.gguf import AlignmentEvidence, SplitLoads, split_loads, split_share
-from ref_impl.measure import loads
+from ref_impl.measure import loads, records
 from ref_impl.measure.loads import Throughput
 
 L2_COST = SplitLoads(l2=20.0, dram=0.2, scatter_l2=2.8, scatter_dram=0.7, one_byte_l2=190.0)   # the recorded h200
@@ -72,9 +76,10 @@ def test_c10_c32_facts_by_hand():
 def test_the_verdicts_read_the_recorded_sweep():
     """The split-load cost in the evidence is recomputed here from the recorded rows: numpy GEMV's time at
     the worse of 4 and 16 bytes against the better of 0 and 32."""
-    machine, rows = loads.recorded_sweeps()["h200"]
-    t = {(r.op, r.buffer_bytes, r.offset_bytes): r.seconds for r in rows}
-    near, far = sorted({r.buffer_bytes for r in rows})
+    sweep = loads.recorded_sweeps()["h200"]
+    assert sweep.run == records.reference("alignment", "h200", metric="read_rate")     # the machine's reference run
+    t = {(r.op, r.buffer_bytes, r.offset_bytes): r.seconds for r in sweep.rows}
+    near, far = sorted({r.buffer_bytes for r in sweep.rows})
     cost = {size: 100 * (max(t["gemv", size, 4], t["gemv", size, 16])
                          / min(t["gemv", size, 0], t["gemv", size, 32]) - 1) for size in (near, far)}
     for cid in ("C10", "C32"):
@@ -82,7 +87,7 @@ def test_the_verdicts_read_the_recorded_sweep():
         assert v.evidence["recorded (h200): split-load cost, numpy GEMV in L2 (4/16 vs 0/32 bytes)"].value == \
             pytest.approx(cost[near])
         assert v.evidence["recorded (h200): split-load cost, numpy GEMV from DRAM"].value == pytest.approx(cost[far])
-        assert machine["file"] in v.source and f"{cost[near]:+.1f}%" in v.summary
+        assert sweep.run.caption in v.source and f"{cost[near]:+.1f}%" in v.summary
 
 
 def test_split_loads_of_a_synthetic_sweep():
@@ -112,9 +117,38 @@ def test_live_sweeps_are_shown_with_their_spread_and_never_decide(monkeypatch):
         assert not any(k.startswith("live") for k in recorded.evidence)
 
 
-def test_live_sweep_is_repeated_and_timed_once():
-    sweeps = ledger.gguf.measure_alignment()
-    assert len(sweeps) == ledger.gguf.LIVE_SWEEPS >= 3
-    assert ledger.gguf.measure_alignment() is sweeps                    # cached: C10 and C32 share one timing
+def test_the_live_sweep_comes_from_measure_and_runs_once():
+    """gather calls loads.measure_alignment (the ledger measures nothing itself): repeated, once per process."""
+    assert ledger.gguf.measure_alignment is loads.measure_alignment
+    sweeps = loads.measure_alignment()
+    assert len(sweeps) == loads.LIVE_SWEEPS >= 3
+    assert loads.measure_alignment() is sweeps                          # cached: C10 and C32 share one sweep
     assert {(r.op, r.offset_bytes) for r in sweeps[0]} == {(op, o) for op in ("sum", "gemv")
                                                           for o in loads.SWEEP_OFFSETS}
+
+
+def test_the_ledger_module_measures_nothing():
+    """No clock, no timing module, no measuring function: the chapter's ledger module only judges."""
+    tree = ast.parse(Path(ledger.gguf.__file__).read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not imported & {"time", "timing", "clock", "functools"} and "ref_impl.platform.timing" not in modules
+    assert not [n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name.startswith("measure")]
+
+
+def test_the_newest_complete_sweep_decides(monkeypatch, tmp_path):
+    """Two recorded runs of one machine: the verdict reads the newer (here one without a penalty in L2: refuted),
+    and its caption is the source."""
+    def write(stamp: str, l2_split: float) -> None:
+        recs = [records.record("alignment", "read_rate", "GB/s", r.gb_per_s, weights="F32", variant=f"numpy {r.op}",
+                               backend="numpy", op=r.op, buffer_bytes=r.buffer_bytes, offset_bytes=r.offset_bytes,
+                               line_offset=r.line_offset, seconds=r.seconds, float32_aligned=r.float32_aligned,
+                               rounds=r.rounds, numpy_blas="a BLAS") for r in sweep(l2_split)]
+        doc = {"schema": 1, "date": f"2026-12-0{stamp}T00:00:00+00:00", "git": stamp * 7, "command": "bench",
+               "machine": {"label": "cpu", "cpu": "a CPU"}, "records": recs}
+        (tmp_path / f"cpu-2026120{stamp}-000000.json").write_text(json.dumps(doc))
+    write("1", 1.2)            # older: split loads cost 20% in L2
+    write("2", 1.0)            # newer: nothing
+    monkeypatch.setattr(ledger.core, "RESULTS_DIR", tmp_path)
+    v = ledger.check("C32", live=False)
+    assert v.status == "refuted" and "cpu-20261202-000000.json" in v.source and "20261201" not in v.source

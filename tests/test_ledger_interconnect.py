@@ -9,8 +9,10 @@ import dataclasses
 import pytest
 
 from ref_impl import ledger
+from ref_impl.measure.records import record
 from ref_impl.ledger.interconnect import Encapsulation, Streaming, Transfers, TunnelCeiling
 from ref_impl.theory import interconnect as ic
+from tests.test_records import write
 
 # ---- the rules on synthetic evidence ----------------------------------------------------------------
 
@@ -129,7 +131,9 @@ def test_c25_recorded_transfers_by_hand():
     v = ledger.check("C25", live=False)
     ev = v.evidence
     assert v.status == "qualified" and "host's side of the handshake" in v.condition
-    label, rec = ledger.link_recorded()
+    run, rec = ledger.link_recorded()
+    label = run.label
+    assert run.caption in v.source                                  # the verdict names the run it read
     many, one = rec["h2d pinned, 64 transfers, sync each", "completion_ms", 256 << 20], \
         rec["h2d pinned, one transfer", "completion_ms", 256 << 20]
     ratio = ev[f"recorded 64 × 4 MiB synced transfers / one transfer, median ({label})"].value
@@ -153,3 +157,19 @@ def test_c25_is_pending_without_its_recorded_transfers(monkeypatch, tmp_path):
     assert v.status == "pending" and "python -m ref_impl bench --link" in v.summary and not v.evidence
     assert {c: ledger.check(c, live=False).status for c in ("C07", "C08", "C18")} == \
         {"C07": "qualified", "C08": "qualified", "C18": "confirmed"}
+
+
+def test_the_link_read_is_the_reference_gpus_newest_complete_run_with_host_device_transfers(monkeypatch, tmp_path):
+    copy = lambda v: record("link", "copy_bandwidth", "GB/s", v, variant="h2d pinned", bytes=1 << 30)
+    done = lambda v: record("link", "completion_ms", "ms", v, variant="h2d pinned, one transfer", bytes=256 << 20)
+    host = record("link", "copy_bandwidth", "GB/s", 9.0, variant="host copy (numpy)", bytes=1 << 30)
+    write(tmp_path, "h200-1.json", ledger.interconnect.LINK_GPU, "2026-01-01T00:00:00+00:00", [copy(50.0), done(5.0)])
+    write(tmp_path, "h200-2.json", ledger.interconnect.LINK_GPU, "2026-01-02T00:00:00+00:00", [copy(55.0), done(4.9)])
+    write(tmp_path, "h200-3.json", ledger.interconnect.LINK_GPU, "2026-01-03T00:00:00+00:00",
+          [copy(float("nan")), done(4.8)])                                # a failed measurement: skipped
+    write(tmp_path, "cpu-1.json", "cpu", "2026-01-04T00:00:00+00:00", [host])     # no GPU: host copies only
+    monkeypatch.setattr(ledger.core, "RESULTS_DIR", tmp_path)
+    run, values = ledger.link_recorded()
+    assert run.file == "h200-2.json" and values["h2d pinned", "copy_bandwidth", 1 << 30] == 55.0
+    write(tmp_path, "h200-4.json", ledger.interconnect.LINK_GPU, "2026-01-05T00:00:00+00:00", [host])
+    assert ledger.link_recorded() is None         # its newest complete run measured no host-device transfer

@@ -8,6 +8,8 @@ import math
 import pytest
 
 from ref_impl import ledger
+from ref_impl.measure import records
+from ref_impl.measure.records import record
 from ref_impl.ledger.kv_cache import (
     C05Evidence,
     C12Evidence,
@@ -17,6 +19,7 @@ from ref_impl.ledger.kv_cache import (
     NeedleGap,
     needle_gaps,
 )
+from tests.test_records import write
 
 LLAMA, QWEN32, QWEN30 = "Llama-3.1-8B", "Qwen3-32B", "Qwen3-30B-A3B"
 
@@ -176,6 +179,35 @@ def test_c17_c20_read_the_recorded_perplexities(monkeypatch, tmp_path):
     assert v20.evidence["memory saved by outlier4 (Llama-3.1-8B)"].value == pytest.approx(100 * (1 - 1344 / 4096))
     # both of the claim's bounds met on the recorded run: 65-75% saved on both shapes, a delta under 0.1
     assert v20.status == ("confirmed" if d["delta"]["outlier4"] < 0.1 else "refuted")
+
+
+def kv_ppl(ppl: dict[str, float], tokens: int, corpus: str, model: str = "stdlib-10m") -> list[dict]:
+    """A machine's kv-ppl records: each scheme's perplexity and its delta against the float cache's ("f32")."""
+    extra = {"model": model, "context": 512, "windows": tokens // 512, "tokens": tokens, "corpus_sha256": corpus}
+    return [record("kv-ppl", metric, "ppl", v, kv=kv, **extra) for kv, p in ppl.items()
+            for metric, v in (("heldout_perplexity", p), ("ppl_delta", p - ppl["f32"]))]
+
+
+def test_kv_quality_reads_each_machines_reference_run_on_the_models_own_text_first(monkeypatch, tmp_path):
+    log = records.training_log("stdlib-10m")
+    whole = (log["corpus"]["tokens"]["heldout"] - 1) // 512 * 512
+    own, other = log["corpus"]["sha256"], "0" * 64
+    ppl = {"f32": 6.0, "sym4": 6.2, "outlier4": 6.05}
+    write(tmp_path, "c-1.json", "c", "2026-01-01T00:00:00+00:00", kv_ppl(ppl | {"sym4": 9.0}, whole, own))
+    write(tmp_path, "c-2.json", "c", "2026-01-02T00:00:00+00:00", kv_ppl(ppl, whole, own))
+    write(tmp_path, "c-3.json", "c", "2026-01-03T00:00:00+00:00", kv_ppl(ppl | {"sym4": float("nan")}, whole, own))
+    write(tmp_path, "g-1.json", "g", "2026-01-04T00:00:00+00:00", kv_ppl({"f32": 11.0, "sym4": 11.5, "outlier4": 11.0},
+                                                                        2 * whole, other))
+    monkeypatch.setattr(ledger.core, "RESULTS_DIR", tmp_path)
+    rec = ledger.kv_quality_recorded()
+    assert list(rec) == ["c", "g"]                  # the model's own text first, though g scored more tokens
+    assert rec["c"]["run"].file == "c-2.json" and rec["c"]["delta"]["sym4"] == pytest.approx(0.2)   # NaN: skipped
+    assert rec["c"]["text"] == "held-out perplexity" and rec["c"]["own_text"]
+    assert "another text" in rec["g"]["text"] and not rec["g"]["own_text"]
+    assert ledger.kv_cache.kv_best()[0] == "c"
+    v = ledger.check("C20", live=False)             # the verdict names the run and the text it read
+    assert "(results/c-2.json)" in v.source and "from 6.000, its held-out perplexity)" in v.summary
+    assert v.evidence[f"perplexity delta, outlier4 (c, {whole // 512} windows)"].value == pytest.approx(0.05)
 
 
 def test_c17_counts_the_same_outliers_in_either_build():

@@ -4,18 +4,24 @@ and live timings that never decide a status."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import json
+import math
+from pathlib import Path
 
 import pytest
 
 from ref_impl import ledger
 from ref_impl.ledger import roofline as rf
+from ref_impl.measure import decode, records
+from ref_impl.measure.decode import ForwardTiming, MatmulTiming
 from ref_impl.theory import roofline, shapes
 
 LLAMA = shapes.PUBLIC["Llama-3.1-8B"]
 LENGTHS = (128, 512, 2048, 8192, 32768)
-# The reference H200's recorded sweep of Llama-3.1-8B's shape (results/h200-20261129-132359.json), rounded:
-# synthetic evidence with the real numbers' shape.
+# The reference H200's recorded sweep of Llama-3.1-8B's shape (its reference "ttft" and "itl" run,
+# results/h200-20261129-132359.json), rounded: synthetic evidence with the real numbers' shape.
 H200_TTFT = dict(zip(LENGTHS, (19.1, 28.4, 56.1, 247.8, 1359.4)))
 H200_STEP = dict(zip(LENGTHS, (7.02, 4.97, 4.75, 7.22, 11.54)))
 H200_PEAK = 989.5
@@ -69,7 +75,7 @@ RULE_CASES = {
 
 
 def no_results(monkeypatch, tmp_path) -> None:
-    """The ledger as a fresh clone without results/ would compute it: core.results reads an empty folder."""
+    """The ledger as a fresh clone without results/ would compute it: the selector reads an empty folder."""
     monkeypatch.setattr(ledger.core, "RESULTS_DIR", tmp_path)
 
 
@@ -78,7 +84,8 @@ def no_results(monkeypatch, tmp_path) -> None:
 def test_the_recorded_h200_sweep_is_read_with_its_arithmetic():
     [s] = [s for s in rf.forward_sweeps() if s.machine == "h200" and s.model == LLAMA.name]
     assert sorted(s.ttft_ms) == list(LENGTHS) and sorted(s.step_ms) == list(LENGTHS)
-    assert s.gpu == "H200 SXM" and s.peak_tflops == H200_PEAK and s.source.startswith("results/h200-")
+    run = records.reference("ttft", "h200", metric="ttft_ms", peer=None)
+    assert s.gpu == "H200 SXM" and s.peak_tflops == H200_PEAK and s.source == run.caption
     assert s.ttft_ms == pytest.approx(H200_TTFT, abs=0.06) and s.step_ms == pytest.approx(H200_STEP, abs=0.01)
     assert s.intensity[128] == pytest.approx(rf.model_intensity(LLAMA, 128))        # F16 weights: 16 bits
     assert rf.attention_share(LLAMA, s.attention_half) >= 0.5 > rf.attention_share(LLAMA, s.attention_half - 1)
@@ -87,7 +94,8 @@ def test_the_recorded_h200_sweep_is_read_with_its_arithmetic():
 def test_c14_and_c26_read_the_recorded_sweep_and_are_pending_without_it(monkeypatch, tmp_path):
     for cid in ("C14", "C26"):
         v = ledger.check(cid, live=False)
-        assert v.source.startswith("results/h200-") and any("on h200" in k for k in v.evidence), cid
+        assert v.source.startswith("h200, ") and "(results/h200-" in v.source, cid      # the run's caption
+        assert any("on h200" in k for k in v.evidence), cid
     no_results(monkeypatch, tmp_path)
     for cid in ("C14", "C26"):
         v = ledger.check(cid, live=False)
@@ -182,10 +190,10 @@ def test_listed_and_spans_read_as_text():
 
 # ---- live timings are shown, never decide ---------------------------------------------------------------
 
-MATMUL = rf.MatmulTiming("a test machine", (8192, 4096), 256, (0.05, 0.06, 0.07), (1.0, 1.1, 1.2), (5.0, 5.5, 6.0),
-                         (20.0, 25.0, 30.0))
-FORWARD = rf.ForwardTiming(shapes.PUBLIC["Llama-3.2-1B"], (1, 2, 4, 8), ((0.01, 0.011, 0.012),) * 3 + ((0.02,) * 3,),
-                           (16, 412), ((0.01, 0.02), (0.011, 0.012)))
+MATMUL = MatmulTiming("a test machine", (8192, 4096), 256, (0.05, 0.06, 0.07), (1.0, 1.1, 1.2), (5.0, 5.5, 6.0),
+                      (20.0, 25.0, 30.0))
+FORWARD = ForwardTiming(shapes.PUBLIC["Llama-3.2-1B"], (1, 2, 4, 8), ((0.01, 0.011, 0.012),) * 3 + ((0.02,) * 3,),
+                        (16, 412), ((0.01, 0.02), (0.011, 0.012)))
 
 
 @pytest.mark.parametrize("cid, live", [("C27", MATMUL), ("C26", MATMUL), ("C14", FORWARD)])
@@ -203,3 +211,59 @@ def test_matmul_rates_are_medians_of_the_repeats():
     nbytes = 4 * 8192 * 4096
     assert r["gemv_gbs"].value == pytest.approx(nbytes / 0.06 / 1e9) and r["gemv_gbs"].rounds == 3
     assert r["gemm_gflops"].low == pytest.approx(2 * 8192 * 4096 * 256 / 1.2 / 1e9)
+
+
+def test_the_live_readings_come_from_measure_and_run_once():
+    """gather calls measure.decode's functions (the ledger times nothing itself), each once per process: a small
+    matmul, timed, gives 10 GEMV samples, `rounds` GEMM samples and `rounds` readings of this machine's roofs."""
+    assert rf.measure_matmul is decode.measure_matmul and rf.measure_forward is decode.measure_forward
+    m = decode.measure_matmul(rows=256, cols=128, tokens=8, rounds=3)
+    assert decode.measure_matmul(rows=256, cols=128, tokens=8, rounds=3) is m
+    assert (m.shape, m.tokens, len(m.gemv_s), len(m.gemm_s), len(m.copy_gbs)) == ((256, 128), 8, 10, 3, 3)
+    assert all(t > 0 for t in m.gemv_s + m.gemm_s) and all(g > 0 for g in m.copy_gbs + m.peak_gflops)
+
+
+def test_the_ledger_module_measures_nothing():
+    """No clock, no timing module, no measuring function, no cache: the chapter's ledger module only judges."""
+    tree = ast.parse(Path(rf.__file__).read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not imported & {"time", "timing", "clock", "functools", "blas"} and "ref_impl.platform.timing" not in modules
+    defined = [n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    assert not [name for name in defined if name.startswith("measure") or name.endswith("Timing")]
+
+
+def write_run(folder, label: str, stamp: str, recs: list[dict], gpu: str | None = "NVIDIA H200") -> str:
+    """A results file of `recs` on machine `label`, dated 1-9 Dec 2026 by `stamp`; its name."""
+    name = f"{label}-2026120{stamp}-000000.json"
+    doc = {"schema": 1, "date": f"2026-12-0{stamp}T00:00:00+00:00", "git": stamp * 7, "command": "bench",
+           "machine": {"label": label, "gpu": gpu, "backend": "cuda" if gpu else "cpu"}, "records": recs}
+    (folder / name).write_text(json.dumps(doc))
+    return name
+
+
+def sweep_recs(scale: float) -> list[dict]:
+    """A bench --dispatch --shapes run of Llama-3.1-8B's shape: TTFT and decode steps at three lengths."""
+    return [records.record(e, m, "ms", scale * n / 128, model=LLAMA.name, weights="F16", kv="f16", context=n)
+            for n in (128, 512, 2048) for e, m in (("ttft", "ttft_ms"), ("itl", "itl_p50_ms"))]
+
+
+def test_the_newest_complete_run_of_each_machine_is_read(monkeypatch, tmp_path):
+    """Two runs per machine and a newer broken one: the sweep and the C04 analog come from the newest complete
+    run of each machine (never from an older one, nor from one with a NaN), named by its caption."""
+    write_run(tmp_path, "gpu", "1", sweep_recs(1.0))
+    newest = write_run(tmp_path, "gpu", "2", sweep_recs(2.0))
+    write_run(tmp_path, "gpu", "3", sweep_recs(math.nan))
+    shape = [records.record("decode-shape", m, u, v, model=LLAMA.name, weights="F16")
+             for m, u, v in (("tokens_per_s", "tok/s", 100.0), ("bytes_per_token", "B", 16e9))]
+    write_run(tmp_path, "gpu", "4", shape)
+    faster = [dict(r, value=150.0) if r["metric"] == "tokens_per_s" else r for r in shape]
+    analog = write_run(tmp_path, "gpu", "5", faster)
+    write_run(tmp_path, "gpu", "6", [dict(r, value=math.nan) for r in shape])
+    monkeypatch.setattr(ledger.core, "RESULTS_DIR", tmp_path)
+    [s] = rf.forward_sweeps()
+    assert s.machine == "gpu" and newest in s.source and s.source.startswith("gpu, 2 Dec 2026, commit 2222222")
+    assert s.ttft_ms == {128: 2.0, 512: 8.0, 2048: 32.0} and s.step_ms == s.ttft_ms
+    label, source, achieved, sheet = rf.decode_analog()
+    assert (label, sheet) == ("gpu", roofline.HARDWARE["H200 SXM"].bandwidth_gbs) and analog in source
+    assert achieved == pytest.approx(150.0 * 16)                       # GB/s: tok/s x bytes per step

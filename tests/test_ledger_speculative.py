@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from ref_impl import ledger
 from ref_impl.ledger import speculative as spec
+from ref_impl.measure import records
+from ref_impl.measure.records import record
 
 # Synthetic evidence on both sides of every rule's thresholds (tests/test_ledger.py runs them all).
 _FWD = {("gpu", "cuda", "big"): {1: 1.0, 9: 1.6}, ("cpu", "cpu", "small"): {1: 1.0, 9: 6.0}}
@@ -68,9 +72,33 @@ def test_c24_c22_c13_evidence_is_the_recorded_numbers():
             assert v13.evidence[f"MTP heads, greedy α on held-out text ({label})"].value == d["pooled"]["mtp", "stdlib-10m-mtp"]
 
 
-def test_spec_recorded_reads_the_newest_file_or_the_one_named():
-    files = sorted({(m["label"], name) for name, m, _ in ledger.core.results("spec-speed")})
-    newest = ledger.spec_recorded()
-    for label, name in files:
-        (one,) = ledger.spec_recorded(name).values()
-        assert one["speed"] and (one == newest[label]) == (name == max(n for lab, n in files if lab == label))
+def write_spec(folder, name: str, label: str, day: int, ratio9: float) -> None:
+    """A results file of one machine's spec-forward records: one model's forward over 9 positions against 1."""
+    recs = [record("spec-forward", "forward_ratio", "ratio", r, model="m", positions=k)
+            for k, r in ((1, 1.0), (9, ratio9))]
+    doc = {"schema": 1, "date": f"2026-01-0{day}T00:00:00+00:00", "git": "abc1234", "command": "bench --spec",
+           "machine": {"label": label, "backend": "cpu"}, "records": recs}
+    (folder / name).write_text(json.dumps(doc))
+
+
+def test_spec_recorded_reads_each_machines_newest_complete_run_and_spec_in_another(monkeypatch, tmp_path):
+    write_spec(tmp_path, "a-1.json", "a", 1, 3.0)
+    write_spec(tmp_path, "a-2.json", "a", 2, 2.0)
+    write_spec(tmp_path, "a-3.json", "a", 3, float("nan"))       # a failed measurement: not a reference
+    write_spec(tmp_path, "b-1.json", "b", 4, 5.0)
+    monkeypatch.setattr(ledger.core, "RESULTS_DIR", tmp_path)
+    rec = ledger.spec_recorded()
+    assert {label: d["forward"]["m"][9] for label, d in rec.items()} == {"a": 2.0, "b": 5.0}
+    assert rec["a"]["runs"]["spec-forward"].file == "a-2.json" and rec["a"]["backend"] == "cpu"
+    older = next(run for run in records.runs("spec-forward", tmp_path) if run.file == "a-1.json")
+    assert ledger.spec_in(older)["forward"]["m"][9] == 3.0                  # a run set beside the reference
+    v = ledger.check("C24", live=False)                                     # the verdict names the runs it read
+    assert v.evidence["m, 9 positions / 1 (a)"].value == 2.0
+    assert "(results/a-2.json)" in v.source and "(results/b-1.json)" in v.source and "a-1.json" not in v.source
+
+
+def test_spec_in_the_reference_run_is_spec_recorded():
+    for label, d in ledger.spec_recorded().items():
+        run = d["runs"]["spec-speed"]
+        assert all(ledger.spec_in(run)[k] == d[k] for k in ("alpha", "pooled", "forward", "forward_ms", "plain",
+                                                            "speed")), label

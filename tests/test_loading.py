@@ -3,6 +3,7 @@ throughput measurements of ref_impl.measure.loads: they run, stop after their bu
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -197,13 +198,55 @@ def test_a_recorded_sweep_reads_back_as_it_was_measured(tmp_path, monkeypatch):
 
     monkeypatch.setattr(loads, "sweep_sizes", lambda: (64 * 1024, 256 * 1024))
     path = records.write_results(loads.bench_alignment(budget_s=0), tmp_path, "bench --alignment", "test-machine")
-    machine, rows = loads.recorded_sweeps(tmp_path)["test-machine"]
-    assert machine["label"] == "test-machine" and machine["file"] == path.name
-    assert machine["numpy_blas"] == loads.numpy_blas()
+    sweep = loads.recorded_sweeps(tmp_path)["test-machine"]
+    assert sweep.run.label == "test-machine" and sweep.run.file == path.name and path.name in sweep.run.caption
+    assert sweep.numpy_blas == loads.numpy_blas()
+    rows = sweep.rows
     assert {(r.backend, r.op, r.buffer_bytes, r.offset_bytes) for r in rows} == {
         (b, op, size, o) for b in ("numpy", "mlx") for op in ("sum", "gemv") for size in (64 * 1024, 256 * 1024)
         for o in loads.SWEEP_OFFSETS if b == "numpy" or o % 4 == 0}
     assert all(r.rounds >= 3 and math.isclose(r.gb_per_s, r.buffer_bytes / r.seconds / 1e9) for r in rows)
+
+
+def test_each_machine_reads_its_newest_complete_sweep(tmp_path):
+    """Two runs per machine: the newest complete one is read; a newer one with a NaN (a measurement that
+    failed unseen) is not; each machine keeps its own."""
+    from ref_impl.measure import records
+
+    def run(label: str, stamp: str, rate: float) -> None:
+        recs = [records.record("alignment", "read_rate", "GB/s", rate, weights="F32", variant=f"numpy {op}",
+                               backend="numpy", op=op, buffer_bytes=size, offset_bytes=o, line_offset=o % 64,
+                               seconds=size / rate / 1e9 if rate == rate else rate, float32_aligned=o % 4 == 0,
+                               rounds=3, numpy_blas=f"BLAS of {stamp}")
+                for op in ("sum", "gemv") for size in (1024, 4096) for o in loads.SWEEP_OFFSETS]
+        doc = {"schema": 1, "date": f"2026-12-0{stamp}T00:00:00+00:00", "git": stamp * 7, "command": "bench",
+               "machine": {"label": label}, "records": recs}
+        (tmp_path / f"{label}-2026120{stamp}-000000.json").write_text(json.dumps(doc))
+    run("a", "1", 1.0)
+    run("a", "2", 2.0)
+    run("a", "3", math.nan)                  # newest, incomplete
+    run("b", "1", 5.0)
+    sweeps = loads.recorded_sweeps(tmp_path)
+    assert sweeps["a"].run.file == "a-20261202-000000.json" and sweeps["a"].numpy_blas == "BLAS of 2"
+    assert {r.gb_per_s for r in sweeps["a"].rows} == {2.0} and {r.gb_per_s for r in sweeps["b"].rows} == {5.0}
+
+
+def test_measure_alignment_repeats_the_sweep_once_per_process(monkeypatch):
+    """The live reading the ledger shows: `sweeps` independent numpy sweeps (seeds 0, 1, ...), cached so C10
+    and C32 share one."""
+    calls = []
+
+    def sweep(offsets, sizes, backends, ops, budget_s, seed):
+        calls.append((tuple(backends), tuple(ops), budget_s, seed))
+        return [loads.Throughput("numpy", "sum", 1024, 0, 0, 1e-6, 1.0, True, 3)]
+    monkeypatch.setattr(loads, "throughput_sweep", sweep)
+    loads.measure_alignment.cache_clear()
+    try:
+        sweeps = loads.measure_alignment(2, 0.1)
+        assert len(sweeps) == 2 and loads.measure_alignment(2, 0.1) is sweeps
+        assert calls == [(("numpy",), ("sum", "gemv"), 0.1, 0), (("numpy",), ("sum", "gemv"), 0.1, 1)]
+    finally:
+        loads.measure_alignment.cache_clear()
 
 
 def test_the_far_buffer_outgrows_the_last_level_cache():

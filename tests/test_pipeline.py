@@ -31,9 +31,11 @@ from ref_impl.engine.generate import Sampler, generate_step
 from ref_impl.engine.model import ModelArgs
 from ref_impl.engine.random import random_model
 from ref_impl.formats import gguf
-from ref_impl.measure.pipeline import bytes_per_step, run_records
+from ref_impl.measure.pipeline import bytes_per_step, pipeline_recorded, run_records
+from ref_impl.measure.records import record
 from ref_impl.theory import interconnect as ic
 from tests.conftest import SHIPPED, write_random_llama
+from tests.test_records import write
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for the ranks")
 
@@ -234,3 +236,15 @@ def test_the_bench_splits_each_token_into_compute_link_and_other(cli_run):
     assert {(k[1], k[3]) for k in by if k[0] == "timeline_ms"} == {(s, p) for s in (0, 1)
                                                                    for p in ("wait", "compute", "send")}
     assert all(r["experiment"] == "pipeline" and r["stages"] == 2 and r["hidden"] == 384 for r in recs)
+
+
+def test_the_chapter_reads_the_machines_newest_complete_pipeline_run(tmp_path):
+    speed = lambda v: record("pipeline", "tokens_per_s", "tok/s", v, model="m", variant="2 stages")
+    write(tmp_path, "c-1.json", "cpu-2core", "2026-01-01T00:00:00+00:00", [speed(10.0)])
+    write(tmp_path, "c-2.json", "cpu-2core", "2026-01-02T00:00:00+00:00", [speed(12.0)])
+    write(tmp_path, "c-3.json", "cpu-2core", "2026-01-03T00:00:00+00:00", [speed(float("nan"))])   # failed: skipped
+    write(tmp_path, "g-1.json", "gpu", "2026-01-04T00:00:00+00:00", [speed(50.0)])
+    run = pipeline_recorded(results_dir=tmp_path)
+    assert run.file == "c-2.json" and run.value("pipeline", "tokens_per_s") == 12.0
+    assert run.caption == "cpu-2core, 2 Jan 2026, commit abc1234 (results/c-2.json)"
+    assert pipeline_recorded("gpu", tmp_path).file == "g-1.json" and pipeline_recorded("none", tmp_path) is None
