@@ -228,8 +228,8 @@ def add_bench(sub) -> None:
                    help="held-out perplexity of --model with one group of matrices (attention, MLP, embedding) "
                         "rounded through Q4_K at a time")
     b.add_argument("--ppl-tokens", type=int, default=None,
-                   help="held-out tokens for --quant's and --quant-groups' perplexity, a sample spread over the text "
-                        "(default: every held-out token, the perplexity the book reports; 0: skip --quant's)")
+                   help="held-out tokens for --quant, --quant-groups and --capstone's perplexity, a sample spread "
+                        "over the text (default: all, the book's perplexity; 0: skip --quant's and --capstone's)")
     b.add_argument("--shape", help="decode a random-weight model of this public shape, e.g. Llama-3.1-8B")
     b.add_argument("--weights", nargs="+", default=["F16", "Q4_K"], help="weight types for --shape")
     b.add_argument("--roofs", action="store_true",

@@ -322,7 +322,9 @@ def test_bench_capstone_long_only_on_a_shape_records_the_long_case_alone(tmp):
 
 
 @pytest.mark.parametrize("flags, named", [(["--ppl-only", "--long-only"], "--long-only"),
-                                           (["--ppl-only", "--shape", "tiny"], "--shape")])
+                                           (["--ppl-only", "--shape", "tiny"], "--shape"),
+                                           (["--ppl-only", "--ppl-tokens", "0"], "--ppl-tokens 0"),
+                                           (["--ppl-tokens", "-5"], "--ppl-tokens -5")])
 def test_bench_capstone_ppl_only_refuses_what_it_cannot_do(tmp, flags, named):
     r = cli("bench", "--capstone", "--quick", *flags, "--out", tmp / "refused")
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and named in r.stderr
@@ -338,6 +340,15 @@ def test_bench_capstone_ppl_only_scores_text_and_times_nothing(tmp):
     assert {rec["experiment"] for rec in records} == {"capstone-ppl"}      # no roofs: a busy machine's are no roof
     assert {rec["weights"] for rec in records} == {"F32", "Q4_K_M"}
     assert all(rec["metric"] == "heldout_perplexity" and 1 < rec["value"] < 512 for rec in records)
+
+
+def test_bench_capstone_ppl_tokens_0_times_and_scores_nothing(tmp):
+    out = tmp / "no-ppl"
+    r = cli("bench", "--capstone", "--quick", "--ppl-tokens", "0", "--long-context", "0", "--no-peers", "--out", out,
+            "--work-dir", tmp)
+    assert r.returncode == 0, r.stderr
+    (path,) = out.glob("*.json")
+    assert {rec["experiment"] for rec in json.loads(path.read_text())["records"]} == {"roofs", "capstone"}
 
 
 def test_bench_capstone_quick_writes_the_records_the_chapter_reads(tmp):

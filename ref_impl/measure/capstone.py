@@ -59,6 +59,7 @@ from ref_impl.training.evaluate import heldout_losses, perplexity
 
 Say = Callable[[str], None]
 QUANTIZED = "Q4_K_M"     # the quantized weights of every rung that turns weights on
+PARTS = frozenset({"ladder", "long", "ppl"})   # a run's parts: the rungs and peers, the long-context case, perplexity
 
 
 @dataclass(frozen=True)
@@ -76,26 +77,26 @@ class CapstonePlan:
     ppl_context: int = 0             # held-out perplexity: window length (0: the model's context)
     ppl_tokens: int = 0              # and tokens scored (0: the whole held-out text, `evaluate.heldout_losses`)
     bandwidth_bytes: int = 1 << 30   # the array decode.roofs copies and reads
-    part: str = "all"                # or one part alone: "long" (where a call's time is short) or "ppl" (perplexity
-                                     # times nothing: it may run while the machine is busy)
+    parts: frozenset[str] = PARTS     # which to run: all, or some where a call's time is short ("long" alone) or
+                                      # the machine is busy ("ppl" alone: a perplexity times nothing)
 
     @property
     def ladder(self) -> bool:
-        return self.part == "all"
+        return "ladder" in self.parts
 
     @classmethod
     def for_device(cls, gpu: bool, quick: bool = False, prompt_len: int = 128, gen_tokens: int = 128,
-                   long_context: int = 4096, part: str = "all") -> CapstonePlan:
-        if part not in ("all", "long", "ppl"):
-            raise ValueError(f"unknown capstone part {part!r}: all, long or ppl")
-        if part == "long" and long_context <= 0:
+                   long_context: int = 4096, parts: frozenset[str] = PARTS, ppl_tokens: int = 0) -> CapstonePlan:
+        if not parts or not parts <= PARTS:
+            raise ValueError(f"capstone parts {sorted(parts)}: give some of {sorted(PARTS)}")
+        if parts == {"long"} and long_context <= 0:
             raise ValueError("--long-only needs a long-context case: --long-context must be positive")
-        if part == "ppl":
-            long_context = 0
+        long_context = long_context if "long" in parts else 0
         if quick:
             return cls(prompts=2, prompt_len=16, gen_tokens=8, long_context=long_context and 96, long_tokens=4,
-                       ppl_context=32, ppl_tokens=32, bandwidth_bytes=64 << 20, part=part)
-        return cls(prompts=4, prompt_len=prompt_len, gen_tokens=gen_tokens, long_context=long_context, part=part)
+                       ppl_context=32, ppl_tokens=32, bandwidth_bytes=64 << 20, parts=parts)
+        return cls(prompts=4, prompt_len=prompt_len, gen_tokens=gen_tokens, long_context=long_context,
+                   ppl_tokens=ppl_tokens, parts=parts)
 
 
 @dataclass(frozen=True)
@@ -353,16 +354,16 @@ def bench_capstone(model_path: str | Path, draft_path: str | Path | None, heads_
                    work: Path, plan: CapstonePlan | None = None, shape: str | None = None, peers: bool = True,
                    llama_bench: Path | None = None, seed: int = 0, progress: Say | None = None) -> list[dict]:
     """Records "capstone" (every rung and peer on the prompts), "capstone-long" (the cache rungs and the
-    peers' caches after plan.long_context tokens), "capstone-ppl" (held-out perplexity per weights and
-    cache; not for a --shape) and "roofs" (`decode.roofs`: the bandwidth the shares divide by). A --shape run decodes random
-    prompts on random weights of that shape (F16 and Q4_K_M files written to work), with llama-bench as
-    llama.cpp's peer when given."""
+    peers' caches after plan.long_context tokens), "capstone-ppl" (held-out perplexity per weights and cache;
+    not for a --shape) and "roofs" (`decode.roofs`: the bandwidth the shares divide by; not for a perplexity
+    alone), each for the plan's parts. A --shape run decodes random prompts on random weights of that shape
+    (F16 and Q4_K_M files written to work), with llama-bench as llama.cpp's peer when given."""
     gpu = mx.default_device() == mx.gpu
     plan = plan or CapstonePlan.for_device(gpu)
     say = progress or (lambda msg: None)
     work.mkdir(parents=True, exist_ok=True)
     rows = tuple(sorted({1, *(g + 1 for g in (plan.gamma, plan.mtp_gamma) if g + 1 <= kernels.MAX_ROWS)}))
-    out = [] if plan.part == "ppl" else roofs(plan.bandwidth_bytes)   # a busy machine's roofs would be no roof
+    out = roofs(plan.bandwidth_bytes) if plan.parts - {"ppl"} else []   # a perplexity alone times nothing
     roof = fastest_bandwidth(out) if out else 0.0
     rng = np.random.default_rng(seed)
     if shape:
@@ -400,7 +401,7 @@ def bench_capstone(model_path: str | Path, draft_path: str | Path | None, heads_
                                            plan.prompt_len, plan.gen_tokens, 3)
     if long_prompt:
         out += long_records(plan, weights, long_prompt, peers, roof, say)
-    if plan.part in ("all", "ppl") and tokenizer is not None:
+    if "ppl" in plan.parts and tokenizer is not None:
         out += perplexity_records(plan, weights, tokenizer, say)
     del weights
     gc.collect()

@@ -303,8 +303,9 @@ class Quantity:
 def reference_quantities(results_dir: Path = RESULTS_DIR) -> list[Quantity]:
     """The reference table: per machine, its measured bandwidth and matmul peak (its reference roofs run), the
     shipped model's held-out perplexity in float32 (its reference quant run, else its capstone-ppl run with the
-    float cache, where that scored the training's own text whole) and its decode tok/s per loop (its reference decode run). A page that states one of these
-    for that machine states this value, or names the other run it comes from."""
+    float cache, where that scored the training's own text whole) and its decode tok/s per loop (its reference
+    decode run). A page that states one of these for that machine states this value, or names the other run it
+    comes from."""
     out = []
     for label, roofs in roofs_references(results_dir).items():
         out.append(Quantity("measured bandwidth", label, bandwidth(roofs, results_dir)[0], "GB/s", roofs))

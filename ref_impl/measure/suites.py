@@ -53,11 +53,16 @@ def run_capstone(a: argparse.Namespace, work: Path, say: Say) -> list[dict]:
     """bench --capstone: the shipped model with --draft and its MTP heads (as --spec finds them), or --shape."""
     if a.long_only and a.ppl_only:
         raise ValueError("bench --capstone: --long-only and --ppl-only each ask for one part alone; give one")
-    if a.ppl_only and a.shape:
-        raise ValueError("bench --capstone --ppl-only scores held-out text: a --shape has random weights and no text")
+    if a.ppl_tokens is not None and a.ppl_tokens < 0:
+        raise ValueError(f"--ppl-tokens {a.ppl_tokens}: give a number of tokens, or 0 to skip the perplexity")
+    if a.ppl_only and (a.shape or a.ppl_tokens == 0):
+        raise ValueError("bench --capstone --ppl-only scores held-out text: not with a --shape (random weights, no "
+                         "text) or --ppl-tokens 0 (no perplexity)")
     heads = None if a.shape or a.ppl_only else _heads(a)
-    part = "long" if a.long_only else "ppl" if a.ppl_only else "all"
-    plan = capstone.CapstonePlan.for_device(_on_gpu(), a.quick, a.prompt_len, a.gen_tokens, a.long_context, part)
+    parts = ({"long"} if a.long_only else {"ppl"} if a.ppl_only
+             else capstone.PARTS - ({"ppl"} if a.ppl_tokens == 0 else set()))
+    plan = capstone.CapstonePlan.for_device(_on_gpu(), a.quick, a.prompt_len, a.gen_tokens, a.long_context,
+                                             frozenset(parts), a.ppl_tokens or 0)
     draft = None if a.shape or a.ppl_only else Path(a.draft)
     return capstone.bench_capstone(Path(a.model), draft, heads, work, plan, a.shape,
                                    peers=not a.no_peers, llama_bench=Path(a.llama_bench) if a.llama_bench else None,
