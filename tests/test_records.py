@@ -84,6 +84,8 @@ def test_the_reference_run_is_the_newest_complete_one_per_machine(tmp_path):
     assert ref["a"].caption == "a, 2 Jan 2026, commit abc1234 (results/a-2.json)"
     with pytest.raises(LookupError, match="a-2.json: 2 decode records of tokens_per_s"):
         records.read_run(tmp_path / "a-2.json").value("decode", "tokens_per_s")
+    write(tmp_path, "c-1.json", "c", "2026-01-06T00:00:00+00:00", [speed(3.0)], git="unknown")   # no git there
+    assert records.reference("decode", "c", tmp_path).caption == "c, 6 Jan 2026, commit not recorded (results/c-1.json)"
 
 
 def test_shares_are_divided_by_the_fastest_probe_of_the_run_or_of_the_machines_reference_roofs(tmp_path):

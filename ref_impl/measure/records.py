@@ -129,10 +129,16 @@ class Run:
         return f"{d.day} {MONTHS[d.month - 1]} {d.year}"
 
     @property
+    def commit(self) -> str:
+        """The commit as a page says it: 'commit 1a2b3c4', or that the run recorded none (a copy of the tree
+        without its git history, on a lent machine, before REF_IMPL_GIT)."""
+        return "commit not recorded" if self.git == "unknown" else f"commit {self.git}"
+
+    @property
     def caption(self) -> str:
         """The line a figure or table of this run's numbers carries: machine, date, commit and file."""
         log = f", transcribed from results/{self.transcribed_from}" if self.transcribed_from else ""
-        return f"{self.label}, {self.day}, commit {self.git} (results/{self.file}{log})"
+        return f"{self.label}, {self.day}, {self.commit} (results/{self.file}{log})"
 
     def select(self, experiment: str | None = None, **where) -> list[dict]:
         """The run's records of `experiment` (any, if None) whose fields all equal `where`'s values."""
