@@ -304,6 +304,21 @@ def test_bench_kv_quick_writes_every_kv_experiment(tmp):
     assert "kv-speed" in r.stdout and "crossover_context" in r.stdout
 
 
+def test_bench_roofs_records_the_machines_probes_and_peak_alone(tmp):
+    from ref_impl.measure import records
+
+    out = tmp / "roofs"
+    r = cli("bench", "--roofs", "--roof-bytes", str(16 << 20), "--out", out, "--label", "cli-roofs")
+    assert r.returncode == 0, r.stderr
+    (path,) = out.glob("*.json")
+    run = records.read_run(path)
+    assert {rec["experiment"] for rec in run.records} == {"roofs"}
+    assert {rec["variant"] for rec in run.records} == {"copy", "read", "host copy", "matmul"}   # a CPU: numpy's too
+    assert records.roofs_references(out)["cli-roofs"].file == path.name                     # a machine's roofs run
+    assert records.bandwidth(run, out) == (max(run.value("roofs", "bandwidth", variant=v)
+                                               for v in ("copy", "read", "host copy")), run)
+
+
 def test_bench_capstone_long_only_without_a_long_context_is_refused(tmp):
     r = cli("bench", "--capstone", "--long-only", "--long-context", "0", "--out", tmp / "refused")
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--long-context" in r.stderr

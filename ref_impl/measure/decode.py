@@ -162,7 +162,8 @@ def roofs(nbytes: int = 1 << 30, repeats: int = 5) -> list[dict]:
     """This machine's roofs as "roofs" records: each memory probe (`memory_bandwidth`) and the matmul peak
     (`matmul_peak`). Every share of a run's speed is divided by its fastest probe (`records.bandwidth`)."""
     dtype, flops = matmul_peak(repeats)
-    return ([record(ROOFS, "bandwidth", "GB/s", v, variant=kind) for kind, v in memory_bandwidth(nbytes, repeats).items()]
+    probes = memory_bandwidth(nbytes, repeats)
+    return ([record(ROOFS, "bandwidth", "GB/s", v, variant=kind) for kind, v in probes.items()]
             + [record(ROOFS, "peak_flops", "FLOP/s", flops, variant="matmul", dtype=dtype)])
 
 
