@@ -80,10 +80,6 @@ class CapstonePlan:
     parts: frozenset[str] = PARTS     # which to run: all, or some where a call's time is short ("long" alone) or
                                       # the machine is busy ("ppl" alone: a perplexity times nothing)
 
-    @property
-    def ladder(self) -> bool:
-        return "ladder" in self.parts
-
     @classmethod
     def for_device(cls, gpu: bool, quick: bool = False, prompt_len: int = 128, gen_tokens: int = 128,
                    long_context: int = 4096, parts: frozenset[str] = PARTS, ppl_tokens: int = 0) -> CapstonePlan:
@@ -389,10 +385,10 @@ def bench_capstone(model_path: str | Path, draft_path: str | Path | None, heads_
         prompts, _ = heldout_prompts(tokenizer, plan.prompts, plan.prompt_len)
         long_prompt, _ = heldout_prompts(tokenizer, 1, plan.long_context) if plan.long_context else (None, None)
         long_prompt = long_prompt[0] if long_prompt else None
-    if plan.ladder:
+    if "ladder" in plan.parts:
         records, reference = ladder_records(plan, weights, prompts, draft, heads, gpu, roof, say)
         out += records
-    if plan.ladder and peers:
+    if "ladder" in plan.parts and peers:
         out += peer_records("capstone", weights, prompts, plan.gen_tokens, draft, plan.gamma, reference, roof, say)
         if llama_bench is not None:
             for w, path in weights.files.items():
