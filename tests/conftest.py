@@ -1,7 +1,9 @@
-"""Shared fixtures: tiny random llama models written as GGUF by llama.cpp's own `gguf` package."""
+"""Shared fixtures: tiny random llama models written as GGUF by llama.cpp's own `gguf` package, and the built book."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +14,8 @@ from ref_impl.engine.random import random_blocks
 from ref_impl.formats.quantize import with_llama_cpp
 
 SHIPPED = MODELS_DIR / "stdlib-10m.gguf"
+BOOK_ROOT = Path(__file__).resolve().parent.parent
+BOOK_HTML = BOOK_ROOT / "_build" / "html"
 
 
 def write_random_llama(path: Path, vocab=97, dim=64, layers=2, heads=4, kv_heads=2, ff=96,
@@ -88,3 +92,16 @@ def llama_q4_k_m(shipped_model, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("q4km") / "stdlib-10m-Q4_K_M.gguf"
     with_llama_cpp(shipped_model, out, "Q4_K_M")
     return out
+
+
+@pytest.fixture(scope="session")
+def built_book() -> Path:
+    """The book as `make book` builds it, into the repository's _build/html: once per test run, shared by
+    every test that reads the built pages (executed notebooks are reused from the build's cache)."""
+    jb = Path(sys.executable).parent / "jupyter-book"
+    run = subprocess.run([str(jb), "build", str(BOOK_ROOT), "--warningiserror", "--keep-going"],
+                         cwd=BOOK_ROOT, capture_output=True, text=True, timeout=3600)
+    if run.returncode:
+        failed = "".join(f"\n--- {log.name}\n{log.read_text()[-3000:]}" for log in (BOOK_HTML / "reports").rglob("*.log"))
+        pytest.fail(f"jupyter-book build failed (rc {run.returncode}):\n{(run.stdout + run.stderr)[-6000:]}{failed}")
+    return BOOK_HTML

@@ -16,7 +16,6 @@ import http.server
 import json
 import os
 import re
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -241,17 +240,6 @@ def test_pages_that_show_recorded_numbers_name_runs_that_exist(built_book):
         named = set(RESULTS_FILE.findall(page))
         assert named, f"{path.relative_to(ROOT)} reads recorded results but names no run"
         assert named <= present, f"{path.relative_to(ROOT)} names runs that are not in results/: {named - present}"
-
-
-@pytest.fixture(scope="module")
-def built_book() -> Path:
-    jb = Path(sys.executable).parent / "jupyter-book"
-    run = subprocess.run([str(jb), "build", str(ROOT), "--warningiserror", "--keep-going"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=3600)
-    if run.returncode:
-        failed = "".join(f"\n--- {log.name}\n{log.read_text()[-3000:]}" for log in (HTML / "reports").rglob("*.log"))
-        pytest.fail(f"jupyter-book build failed (rc {run.returncode}):\n{(run.stdout + run.stderr)[-6000:]}{failed}")
-    return HTML
 
 
 @pytest.mark.parametrize("path", notebooks(), ids=lambda p: str(p.relative_to(ROOT)))
