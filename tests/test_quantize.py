@@ -69,14 +69,17 @@ def test_use_more_bits(n, expected):
     assert [i for i in range(n) if quantize.use_more_bits(i, n)] == expected
 
 
-def test_row_not_a_multiple_of_32_becomes_f16(tmp_path):
-    """Rows of 40 hold no 32-block either: F16, as llama.cpp does (checked against it too)."""
+def test_row_not_a_multiple_of_32_becomes_f16(tmp_path, capfd):
+    """Rows of 40 hold no 32-block either: F16, as llama.cpp does (checked against it too). llama.cpp
+    warns on the C stderr for every tensor it falls back on: none of it reaches ours (a page's output)."""
     path = write_random_llama(tmp_path / "odd.gguf", vocab=50, dim=64, heads=4, kv_heads=2, ff=40)
     with gguf.read(path) as f:
         types = quantize.tensor_types(f.tensors, "Q4_K_M")
     assert types["blk.0.ffn_down.weight"] == "F16"      # rows of 40
     assert types["blk.0.ffn_gate.weight"] == "Q5_0"     # rows of 64: 32-blocks fit, 256-blocks do not
+    capfd.readouterr()
     assert quantize.with_llama_cpp(path, tmp_path / "theirs.gguf", "Q4_K_M") == types
+    assert capfd.readouterr().err == ""
 
 
 def test_bad_requests(models, tmp_path):
@@ -84,6 +87,9 @@ def test_bad_requests(models, tmp_path):
         quantize.quantize_file(models["shipped"], tmp_path / "x.gguf", "Q3_K")
     with pytest.raises(ValueError, match="unknown file type 'Q3_K'"):
         quantize.with_llama_cpp(models["shipped"], tmp_path / "x.gguf", "Q3_K")
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF" + bytes(60))    # llama.cpp refuses it: its reason is kept
+    with pytest.raises(RuntimeError, match="could not quantize .*bad.gguf to Q4_K_M: .+"):
+        quantize.with_llama_cpp(tmp_path / "bad.gguf", tmp_path / "x.gguf", "Q4_K_M")
     quantize.quantize_file(models["tied-8"], tmp_path / "q8.gguf", "Q8_0")
     with pytest.raises(ValueError, match="already Q8_0; quantize from an F32, F16 or BF16 file"):
         quantize.quantize_file(tmp_path / "q8.gguf", tmp_path / "q4.gguf", "Q4_K_M")

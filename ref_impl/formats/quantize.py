@@ -23,9 +23,12 @@ See chapter: kquants
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import io
 import logging
 import os
+import tempfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -190,7 +193,8 @@ def tensor_kind(name: str) -> str:
 
 def with_llama_cpp(src: str | os.PathLike, dst: str | os.PathLike, file_type: str) -> dict[str, str]:
     """The same job done by llama.cpp itself (llama-cpp-python's `llama_model_quantize`, one thread,
-    its log silenced): the oracle our files are compared with. Returns each tensor's type."""
+    its log held aside and shown only if it fails): the oracle our files are compared with. Returns each
+    tensor's type."""
     import llama_cpp  # its import routes llama.cpp's log through the "llama-cpp-python" logger
 
     if file_type not in FILE_TYPES:
@@ -199,10 +203,23 @@ def with_llama_cpp(src: str | os.PathLike, dst: str | os.PathLike, file_type: st
     params.ftype, params.pure, params.nthread = FILE_TYPES[file_type].ftype, file_type == "Q4_K", 1
     logger = logging.getLogger("llama-cpp-python")
     level = logger.level
-    logger.setLevel(logging.ERROR)
+    logger.setLevel(logging.DEBUG)   # every line of its log, to say why when it fails
     try:
-        if llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(dst), ctypes.byref(params)) != 0:
-            raise RuntimeError(f"llama.cpp could not quantize {src} to {file_type}")
+        # llama.cpp logs through llama-cpp-python's callback (to Python's sys.stderr) and, for some
+        # messages, straight to the C stderr (file descriptor 2); its quantizer warns once per tensor it
+        # falls back on. Both are held aside, so a page that quantizes shows none of it.
+        with tempfile.TemporaryFile() as held, contextlib.redirect_stderr(io.StringIO()) as said:
+            saved = os.dup(2)
+            os.dup2(held.fileno(), 2)
+            try:
+                failed = llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(dst), ctypes.byref(params)) != 0
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+            if failed:
+                held.seek(0)
+                log = (said.getvalue() + held.read().decode(errors="replace")).strip()[-2000:]
+                raise RuntimeError(f"llama.cpp could not quantize {src} to {file_type}" + (f": {log}" if log else ""))
     finally:
         logger.setLevel(level)
     with gguf.read(dst) as f:
