@@ -174,6 +174,29 @@ def test_viz_titles_wrap_as_html_and_figures_keep_the_rules(monkeypatch):
     assert "'one' and 'two' share" in found and "right of the plot" in found and "yaxis is a log axis without full tick labels" in found
 
 
+def test_viz_lint_rejects_two_labels_alike_and_long_legends_and_the_renderer_refuses_them():
+    from ref_impl import viz
+
+    twice = viz.bar_chart(["4-bit L4", "4-bit L4"], {"run A": [6.4, 6.5]}, "Stacked", "Setting (name)", "Time (ms)")
+    assert any("share the categories ['4-bit L4']" in p for p in viz.lint(twice))
+    same = viz.figure("Same", "Time (s)", "Rate (tokens/s)")
+    same.add_scatter(x=[1], y=[1], name="run", line_color=viz.PALETTE[0])
+    same.add_scatter(x=[1], y=[2], name="run", line_color=viz.PALETTE[1])
+    assert any("labelled 'run'" in p for p in viz.lint(same))
+    # one name per menu option, never two at once, is one series; a span on a timeline (base) is no grouped bar
+    menu = viz.with_dropdown(viz.line_chart([("run", [1], [1]), ("run", [1], [2])], "Menu", "Time (s)", "Rate (tokens/s)"),
+                             {"first": [0], "second": [1]})
+    spans = viz.figure("Spans", "Time (ms)", "Unit (name)")
+    spans.add_bar(y=["CPU", "CPU"], x=[1, 2], base=[0, 1], orientation="h", name="encode")
+    assert viz.lint(menu) == [] and viz.lint(spans) == []
+    seven = viz.line_chart({f"s{i}": ([0, 1], [i, i]) for i in range(7)}, "Seven", "Time (s)", "Rate (tokens/s)")
+    assert any("7 legend entries, more than 6" in p for p in viz.lint(seven))
+    assert viz.lint(seven.update_layout(showlegend=False, hovermode="x unified")) == []   # a hover table
+    with pytest.raises(ValueError, match="breaks the book's figure rules.*share the categories"):
+        viz.CourseRenderer().to_mimebundle(twice.to_dict())
+    assert viz.with_dropdown(seven, {"a": [0]}).layout.updatemenus[0].x == 0   # left: the toolbar is at the right
+
+
 def page_labels() -> set[str]:
     """Every MyST label `(name)=` a page of the book defines."""
     texts = [p.read_text() for p in (ROOT / "book").rglob("*.md")]

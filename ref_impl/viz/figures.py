@@ -76,17 +76,46 @@ def _trace_colour(trace) -> str | None:
     return None
 
 
+MAX_LEGEND = 6   # legend entries a phone shows in full below a plot; more: group them, or name them on an axis
+
+
+def _shown_together(fig: go.Figure) -> list[list]:
+    """The sets of traces a reader sees at once: as first drawn, and after each menu or slider choice."""
+    masks = [[t.visible is not False for t in fig.data]]
+    for control in (*fig.layout.updatemenus, *fig.layout.sliders):
+        for step in (*getattr(control, "buttons", ()), *getattr(control, "steps", ())):
+            visible = (step.args or [{}])[0].get("visible") if step.args else None
+            if isinstance(visible, (list, tuple)) and len(visible) == len(fig.data):
+                masks.append([v is not False for v in visible])
+    return [[t for t, on in zip(fig.data, mask) if on] for mask in masks]
+
+
 def lint(fig: go.Figure) -> list[str]:
     """The ways `fig` breaks the book's figure rules, found from the figure alone (an empty list when it
-    keeps them): two legend entries with one colour, a legend placed at the right of the plot, a log
-    axis without full tick labels."""
+    keeps them): two series with one label (unless one legend group: one series across menu options) or
+    one colour, two bars of a trace on one category (plotly draws them as one bar), more than MAX_LEGEND
+    legend entries, a legend placed at the right of the plot, a log axis without full tick labels."""
     problems, owner = [], {}
+    for shown in _shown_together(fig):
+        group: dict[str, object] = {}
+        for t in shown:
+            if t.name and t.showlegend is not False and group.setdefault(t.name, t.legendgroup or id(t)) != (t.legendgroup or id(t)):
+                problems.append(f"two series shown together are labelled {t.name!r}: say what differs")
     for t in fig.data:
+        if t.type == "bar" and t.base is None:   # bars with a base are spans on a timeline, not a grouped bar each
+            at = list((t.y if t.orientation == "h" else t.x) or ())
+            twice = sorted({str(c) for c in at if at.count(c) > 1})
+            if twice:
+                problems.append(f"bars of {t.name or 'a trace'!r} share the categories {twice}: plotly draws them as one bar")
         c = _trace_colour(t)
         if not t.name or t.showlegend is False or c is None:
             continue
         if owner.setdefault(c, t.name) != t.name:
             problems.append(f"{owner[c]!r} and {t.name!r} share the colour {c}")
+    entries = {t.legendgroup or t.name for t in fig.data if t.name and t.showlegend is not False}
+    if len(entries) > MAX_LEGEND and fig.layout.showlegend is not False:
+        problems.append(f"{len(entries)} legend entries, more than {MAX_LEGEND}: group them, name them on an axis, "
+                        "or split the figure")
     legend = fig.layout.legend
     if legend.orientation == "v" or (legend.x is not None and legend.x >= 1 and legend.xref != "container"):
         problems.append("the legend sits at the right of the plot: leave its place to the template (below)")
@@ -182,10 +211,10 @@ def with_dropdown(fig: go.Figure, options: Mapping[str, Sequence[int]]) -> go.Fi
     masks = _visibility(fig, options)
     buttons = [dict(label=name, method="restyle", args=[{"visible": mask}])
                for name, mask in zip(options, masks)]
-    # on the plot's top edge, at the right; it pushes the top margin (the book draws the title above
-    # the figure, live Jupyter above the plot, where a long title may pass under the menu)
+    # on the plot's top edge, at the left: the right is where plotly's toolbar appears; it pushes the top
+    # margin (the book draws the title above the figure, live Jupyter above the plot)
     fig.update_layout(updatemenus=[dict(buttons=buttons, direction="down", showactive=True,
-                                        x=1.0, xanchor="right", y=1.02, yanchor="bottom")])
+                                        x=0.0, xanchor="left", y=1.02, yanchor="bottom")])
     return fig
 
 

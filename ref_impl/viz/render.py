@@ -16,10 +16,11 @@ from __future__ import annotations
 import json
 import os
 
+import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.io._base_renderers import MimetypeRenderer
 
-from ref_impl.viz.figures import FONT, HEIGHT, template
+from ref_impl.viz.figures import FONT, HEIGHT, lint, template
 
 TITLE_CSS = f"font-family: {FONT}; font-size: 17px; font-weight: 600; color: #222; margin: 1em 0 0.2em 0"
 NAME = "course"   # the template's and the renderer's name in plotly's registries
@@ -28,12 +29,16 @@ NAME = "course"   # the template's and the renderer's name in plotly's registrie
 class CourseRenderer(MimetypeRenderer):
     """Display a figure as its title in HTML, which wraps at any page width, above a div that draws
     the rest with the page's global `Plotly`; plus plotly JSON, title included, for live Jupyter
-    unless COURSE_BOOK_BUILD=1. No plotly.js is embedded, nothing is fetched."""
+    unless COURSE_BOOK_BUILD=1. No plotly.js is embedded, nothing is fetched. A figure that `lint`
+    finds at fault is refused, with its faults named."""
 
     def __init__(self, config: dict | None = None):
         self.config = {"displaylogo": False, "responsive": True, **(config or {})}
 
     def to_mimebundle(self, fig_dict: dict) -> dict:
+        problems = lint(go.Figure(fig_dict, skip_invalid=True))
+        if problems:   # the book shows no figure that breaks its rules
+            raise ValueError("this figure breaks the book's figure rules (viz.lint): " + "; ".join(problems))
         layout = dict(fig_dict.get("layout") or {})
         title = dict(layout.pop("title", None) or {})
         text = title.pop("text", None)
