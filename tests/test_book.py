@@ -25,6 +25,8 @@ import plotly
 import pytest
 import yaml
 
+from tests import book_pages
+
 ROOT = Path(__file__).resolve().parent.parent
 HTML = ROOT / "_build" / "html"
 SHOTS = ROOT / "test-output" / "screenshots"
@@ -74,6 +76,7 @@ TEMPLATE = {
     "A live experiment": r"live\b",
     "Recorded results": r"(recorded results|measured)\b",
     "Claims checked": r"claims checked\b",
+    "What we found": r"what we found\b",
     "Exercises": r"exercises\b",
     "Further reading": r"further reading\b",
 }
@@ -104,6 +107,75 @@ def test_chapter_follows_the_template(path):
     assert not missing, f"{path.relative_to(ROOT)} lacks the template's sections {missing}; its sections: {heads}"
     assert re.match(TEMPLATE["Learning goals"], heads[0], re.I), f"the first section is {heads[0]!r}"
     assert re.match(TEMPLATE["Further reading"], heads[-1], re.I), f"the last section is {heads[-1]!r}"
+    at = {name: next(i for i, h in enumerate(heads) if re.match(pat, h, re.I)) for name, pat in TEMPLATE.items()}
+    assert at["Claims checked"] < at["What we found"] < at["Exercises"], \
+        f"{path.relative_to(ROOT)}: 'What we found' closes the chapter, after the claims and before the exercises"
+
+
+def what_we_found(path: Path) -> list[str]:
+    """The bullets of a chapter's 'What we found' section."""
+    text = "\n".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "markdown")
+    section = re.search(r"^## [\d.]*\s*What we found.*?$(.*?)(?=^## |\Z)", text, re.M | re.S | re.I)
+    return re.findall(r"^[-*] (.+?)(?=^[-*] |^\s*$|\Z)", section.group(1), re.M | re.S) if section else []
+
+
+@pytest.mark.parametrize("path", chapters(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_chapter_ends_with_what_it_found(path):
+    """3-6 findings, each with its number (glued from the computation, or printed by it) and a link to the
+    verdict it bears on (a ledger row of the page, `#claim-CXX`) or to the section that measured it."""
+    bullets = what_we_found(path)
+    assert 3 <= len(bullets) <= 6, f"{path.relative_to(ROOT)}: {len(bullets)} findings in 'What we found'"
+    for b in bullets:
+        assert re.search(r"\{glue(:\w+)?\}`", b), f"a finding without a computed number: {b[:80]!r}"
+        assert re.search(r'href="#claim-C\d\d"|\{ref\}`', b), f"a finding that links no verdict or section: {b[:80]!r}"
+
+
+@pytest.mark.parametrize("path", chapters(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_chapter_prose_fits_one_page(path):
+    words = book_pages.prose_words(book_pages.cells(path))
+    assert words <= book_pages.MAX_PROSE_WORDS, \
+        f"{path.relative_to(ROOT)}: {words:,} words of prose; move probes and dead ends to its lab notes"
+
+
+@pytest.mark.parametrize("path", notebooks(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_visible_code_runs_as_shown(path):
+    """Copied from the page and run in order, the visible code needs nothing a hidden cell defines."""
+    hidden = book_pages.hidden_names_used(book_pages.cells(path))
+    assert not hidden, f"{path.relative_to(ROOT)}: visible cells use names only hidden cells define: {hidden}"
+
+
+def test_the_page_checks_catch_what_they_name():
+    code = lambda src, *tags: {"cell_type": "code", "source": src, "metadata": {"tags": list(tags)}, "outputs": []}  # noqa: E731
+    cells = [code("N_ALL = 5\nimport numpy as np", "remove-cell"), code("x = N_ALL * np.pi"),
+             code("def f(n):\n    return n + 1\nf(2)"), code("y = f(1)  # defined above, shown")]
+    assert book_pages.hidden_names_used(cells) == [(1, "N_ALL"), (1, "np")]
+    out = lambda name, text: {"output_type": "stream", "name": name, "text": text}  # noqa: E731
+    executed = [dict(code("a"), outputs=[out("stdout", "x\n" * 26)]), dict(code("b", "listing"), outputs=[out("stdout", "x\n" * 40)]),
+                dict(code("c"), outputs=[out("stderr", "warning: tensor falls back\n")]),
+                dict(code("d"), outputs=[out("stdout", "x\n" * 25)])]
+    problems = book_pages.output_problems(executed)
+    assert len(problems) == 2 and problems[0].startswith("cell 0 prints 26 lines") and "cell 2 writes to stderr" in problems[1]
+    md = {"cell_type": "markdown", "source": "## Idea\n\nFour words of prose.\n\n```python\nnot = prose + at_all\n```\n<b>x</b>"}
+    assert book_pages.prose_words([md]) == 6   # Idea, Four, words, of, prose., x
+
+
+@pytest.mark.parametrize("path", notebooks(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_page_outputs_read_as_a_textbook(built_book, path):
+    """No stderr, warnings or raw logs in a page; a long text output only in a cell tagged as a listing."""
+    executed = ROOT / "_build" / "jupyter_execute" / path.relative_to(ROOT)
+    problems = book_pages.output_problems(book_pages.cells(executed))
+    assert not problems, f"{path.relative_to(ROOT)}:\n" + "\n".join(problems)
+
+
+def test_no_table_of_the_book_prints_e_notation(built_book):
+    """Times and sizes read as 1,960 ms, never 1.96e+03, in every table of every page."""
+    found = {}
+    for page in toc_pages():
+        cells = re.findall(r"<t[dh][^>]*>([^<]*)</t[dh]>", (built_book / f"{page}.html").read_text())
+        bad = [c for c in cells if re.search(r"\d\.?\d*e[+-]\d+", c)]
+        if bad:
+            found[page] = bad[:3]
+    assert not found, f"tables print e-notation: {found}"
 
 
 @pytest.mark.parametrize("path", notebooks(), ids=lambda p: str(p.relative_to(ROOT)))
