@@ -480,6 +480,43 @@ FIGURE_GEOMETRY = r"""() => [...document.querySelectorAll('.js-plotly-plot')].ma
 })"""
 
 
+# The page as laid out: wider than the window (it scrolls sideways on a phone), a figure drawn past its own
+# cell or over the blocks around it, an axis title cut by the figure's edge, plotly's toolbar over a menu.
+PAGE_LAYOUT = r"""() => {
+  const inside = (a, b, tol = 1) => a.top >= b.top - tol && a.bottom <= b.bottom + tol;
+  const meet = (a, b, tol = 1) => a.left < b.right - tol && b.left < a.right - tol && a.top < b.bottom - tol && b.top < a.bottom - tol;
+  const wide = document.documentElement.scrollWidth - window.innerWidth;
+  const overlaps = [], clipped = [], covered = [];
+  document.querySelectorAll('.js-plotly-plot').forEach((gd, i) => {
+    const cell = gd.closest('.cell') || gd.parentElement;
+    const svgs = [...gd.querySelectorAll('.main-svg')].map(s => s.getBoundingClientRect());
+    const box = cell.getBoundingClientRect();
+    if (svgs.some(s => !inside(s, box))) overlaps.push(`figure ${i} is drawn outside its cell`);
+    for (const other of [cell.previousElementSibling, cell.nextElementSibling]) {
+      if (other && meet(gd.getBoundingClientRect(), other.getBoundingClientRect())) overlaps.push(`figure ${i} covers the ${other === cell.nextElementSibling ? 'next' : 'previous'} block`);
+    }
+    const paper = gd.querySelector('.main-svg').getBoundingClientRect();
+    for (const t of gd.querySelectorAll('.g-xtitle text, .g-ytitle text, .g-x2title text, .g-y2title text')) {
+      const r = t.getBoundingClientRect();
+      if (r.width > 0 && (r.left < paper.left - 1 || r.right > paper.right + 1 || r.top < paper.top - 1 || r.bottom > paper.bottom + 1))
+        clipped.push(`figure ${i}: axis title '${t.textContent.slice(0, 40)}' is cut by the figure's edge`);
+    }
+    const bar = gd.querySelector('.modebar');
+    if (bar) {
+      const m = bar.getBoundingClientRect();
+      for (const c of gd.querySelectorAll('.updatemenu-header-group, .updatemenu-header, .slider-group, .slider-container'))
+        if (meet(m, c.getBoundingClientRect())) { covered.push(`figure ${i}: the toolbar covers a menu or slider`); break; }
+    }
+  });
+  return {wide: wide > 1 ? [`the page is ${document.documentElement.scrollWidth} px wide in a ${window.innerWidth} px window`] : [], overlaps, clipped, covered};
+}"""
+
+
+def _check_layout(layout: dict) -> None:
+    problems = [p for kind in ("wide", "overlaps", "clipped", "covered") for p in layout[kind]]
+    assert not problems, "the page does not lay out:\n" + "\n".join(problems)
+
+
 def _check_figures_read(figures: list[dict]) -> None:
     for i, f in enumerate(figures):
         assert f["plot"] >= min(0.6 * f["width"], 400), \
@@ -536,6 +573,7 @@ def test_page_draws_every_figure_and_formula_offline(tab, server, built_book, pa
                  traces: d.querySelectorAll('.trace, .hm').length,   // a heatmap draws a .hm layer
                  height: d.getBoundingClientRect().height}))""")
         geometry = page.evaluate(FIGURE_GEOMETRY)
+        layout = page.evaluate(PAGE_LAYOUT)
         _screenshot(page, SHOTS / f"{page_path.replace('/', '__')}--{width}.png")
 
         assert not [u for u in visit.blocked if "plotly" in u.lower()], \
@@ -550,6 +588,7 @@ def test_page_draws_every_figure_and_formula_offline(tab, server, built_book, pa
             assert version == plotly.offline.get_plotlyjs_version(), f"the page runs plotly.js {version}"
         _check_formulas_typeset(visit, formulas)
         _check_figures_read(geometry)
+        _check_layout(layout)
         words = _visible_words(page)
         assert not words, f"the page says {words}: words from the workshop, not the course"
         if (ROOT / f"{page_path}.ipynb").is_file():

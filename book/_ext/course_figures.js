@@ -1,13 +1,12 @@
-// Fit each plotly figure of the page to the width it is drawn at (book/_ext/plotly_offline.py loads
-// this after plotly.min.js). A figure is built once for every width; on a phone its legend rows can
-// take most of its height, and tick labels that sat side by side on a laptop run into each other.
-// So, after every draw: grow the figure until its plot is at least MIN_PLOT_PX tall; label a log axis
-// at 1, 2 and 5 of each decade, or at every decade, or every second or third, the first of these whose
-// labels do not overlap; and turn an axis's category labels upright when they overlap lying down.
-// Axes whose notebook chose their own dtick or tickangle are left alone. When all figures have
+// Fit each plotly figure's tick labels to the width it is drawn at (book/_ext/plotly_offline.py loads
+// this after plotly.min.js). A figure is built once for every width, and tick labels that sat side by
+// side on a laptop run into each other on a phone. So, after every draw: label a log axis at 1, 2 and 5
+// of each decade, or at every decade, or every second or third, the first of these whose labels do not
+// overlap; and turn an axis's category labels upright when they overlap lying down. Axes whose notebook
+// chose their own dtick or tickangle are left alone. A figure's size is its notebook's, never changed
+// here: a figure that grew after drawing would spill over the cells around it. When all figures have
 // settled, <html data-course-figures="fitted"> tells the browser test to look.
 (() => {
-  const MIN_PLOT_PX = 220;              // plot height below which a figure grows
   const LOG_STEPS = ['D2', 1, 2, 3];    // log-axis labels: 1-2-5 per decade, then every 1, 2, 3 decades
 
   function overlapping(gd, ax) {
@@ -19,9 +18,6 @@
 
   function update(gd) {
     const fl = gd._fullLayout, out = {};
-    if (gd._courseBase === undefined) gd._courseBase = fl.height;
-    const height = Math.round(Math.max(gd._courseBase, fl.height + MIN_PLOT_PX - fl._size.h));
-    if (Math.abs(height - fl.height) > 4) out.height = height;
     for (const k of Object.keys(fl).filter(k => /^[xy]axis\d*$/.test(k))) {
       const ax = fl[k], own = gd.layout[k] || {};
       if (!ax.visible || !ax.showticklabels || !overlapping(gd, ax)) continue;
@@ -39,7 +35,6 @@
     if (!gd._fullLayout || !gd._fullLayout._size) return Promise.resolve();
     const out = update(gd);
     if (!Object.keys(out).length) return Promise.resolve();
-    if (out.height) gd.style.height = `${out.height}px`;
     return Plotly.relayout(gd, out).then(() => fit(gd));
   }
 

@@ -3,7 +3,7 @@
 At build time this copies `plotly.min.js` from the installed plotly package (the same version that
 drew the figures' JSON, so the two always match) into the HTML output's `_static/`, and loads it on
 every page ahead of the page body, where `ref_impl.viz` puts each figure's `Plotly.newPlot` script,
-with `course_figures.js`, which fits each figure to the width it is drawn at (a phone's, too).
+with `course_figures.js`, which fits each figure's tick labels to the width it is drawn at (a phone's, too).
 It also sets COURSE_BOOK_BUILD=1 for the kernels that execute the notebooks, so `ref_impl.viz`
 emits each figure as HTML only: myst-nb warns about any output mime type it cannot render, and
 the plotly JSON that live Jupyter draws is one. And it drops a duplicated inline script that
@@ -22,7 +22,7 @@ import plotly
 
 SOURCE = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
 TARGET = "plotly.min.js"  # under _static/
-FIT = Path(__file__).with_name("course_figures.js")  # fits each figure to the width it is drawn at
+FIT = Path(__file__).with_name("course_figures.js")  # fits each figure's tick labels to the width it is drawn at
 
 
 def _add_plotly(app) -> None:

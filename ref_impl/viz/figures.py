@@ -31,6 +31,7 @@ LOG_TICKS = ",~r"
 LOG_AXIS = dict(type="log", tickformat=LOG_TICKS, dtick="D2")
 FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, 'Helvetica Neue', Arial, sans-serif"
 HEIGHT = 460  # px; the width follows the page
+MENU_TOP = 34  # px: the strip at a figure's top where plotly's toolbar appears, which a menu must leave free
 
 
 _UNIT = re.compile(r"^(?P<name>.*\S)\s*\((?P<unit>[^()]+)\)\s*$")
@@ -211,10 +212,11 @@ def with_dropdown(fig: go.Figure, options: Mapping[str, Sequence[int]]) -> go.Fi
     masks = _visibility(fig, options)
     buttons = [dict(label=name, method="restyle", args=[{"visible": mask}])
                for name, mask in zip(options, masks)]
-    # on the plot's top edge, at the left: the right is where plotly's toolbar appears; it pushes the top
-    # margin (the book draws the title above the figure, live Jupyter above the plot)
+    # above the plot's top left corner, below the strip where plotly's toolbar appears (the figure's top
+    # MENU_TOP px, across most of a phone's width); the book draws the title above the figure
     fig.update_layout(updatemenus=[dict(buttons=buttons, direction="down", showactive=True,
-                                        x=0.0, xanchor="left", y=1.02, yanchor="bottom")])
+                                        x=0.0, xanchor="left", y=1.0, yanchor="bottom", pad=dict(b=4))],
+                      margin_t=max(fig.layout.margin.t or 0, MENU_TOP + 40))
     return fig
 
 
