@@ -1,11 +1,12 @@
 # Two commands for a newcomer (README.md): `make book` and `make test`.
 # Both create the virtual environment in .venv and install requirements.txt first.
+# `make lab` sets up only what the notebooks need (requirements-lab.txt: nothing to compile).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 VOCAB  := .vocab
 
-.PHONY: setup chromium book test bench clean
+.PHONY: setup lab openblas chromium book test bench clean
 
 setup: $(VENV)/.installed chromium $(VOCAB)/.extracted
 
@@ -17,13 +18,27 @@ chromium:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; \
 	  else echo "note: tests/test_book.py needs Chromium: apt-get install chromium, or set CHROMIUM=/path/to/chromium"; fi; fi
 
-$(VENV)/.installed: requirements.txt pyproject.toml
-	@# MLX's CPU backend on Linux gets the system OpenBLAS, built for every CPU of its architecture
-	@# (ref_impl/platform/blas.py); Debian/Ubuntu ship it as libopenblas0-pthread
+# MLX's CPU backend on Linux gets the system OpenBLAS, built for every CPU of its architecture
+# (ref_impl/platform/blas.py); Debian/Ubuntu ship it as libopenblas0-pthread
+openblas:
 	@if [ "$$(uname)" = Linux ] && ! ldconfig -p | grep -qE 'libopenblasp?\.so\.0 '; then \
 	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libopenblas0-pthread; \
 	  else echo "note: install OpenBLAS (apt-get install libopenblas0-pthread; dnf install openblas-threads), or MLX keeps its slow reference BLAS"; fi; fi
+
+# The notebooks, to read and run: MLX, ref_impl, JupyterLab; no compiler, no peer, no browser. A cell that
+# needs the peer says so and shows its recorded result.
+lab: $(VENV)/.lab
+	@echo "Open a chapter: $(BIN)/jupyter lab book/intro/roofline.ipynb"
+
+$(VENV)/.lab: requirements-lab.txt pyproject.toml | openblas
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install -r requirements-lab.txt
+	$(BIN)/python -m pip install --quiet --no-deps -e .
+	touch $@
+
+$(VENV)/.installed: requirements.txt requirements-lab.txt pyproject.toml | openblas
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	@# llama-cpp-python builds llama.cpp from source (about 5 minutes on 2 cores), first and on its own:

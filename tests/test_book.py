@@ -16,6 +16,7 @@ import http.server
 import json
 import os
 import re
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -705,12 +706,41 @@ def test_run_it_locally_names_the_repository_from_wherever_the_book_is_built():
     lines = rl.commands("book/intro/roofline.ipynb", "https://github.com/someone/course")
     assert lines[:2] == ["git clone https://github.com/someone/course", "cd course"]
     assert lines[-1] == ".venv/bin/jupyter lab book/intro/roofline.ipynb"
-    assert any(line.startswith("make setup") for line in lines)
+    assert any(line.startswith("make lab ") for line in lines)
     assert "git clone" not in "".join(rl.commands("book/x.ipynb", None))
     assert "&lt;script&gt;" in rl.box("book/x.ipynb", "https://h/<script>")
-    # the commands must work: `make setup` exists and installs JupyterLab
-    assert re.search(r"^setup:", (ROOT / "Makefile").read_text(), re.M)
-    assert re.search(r"^jupyterlab==", (ROOT / "requirements.txt").read_text(), re.M)
+    assert rl.branch({}) == "main" and rl.branch({"GITHUB_REF_NAME": "pages"}) == "pages"
+    # the commands must work: `make lab` exists and installs JupyterLab, with nothing to compile (no peer),
+    # and the whole set (`make setup`) is the lab set plus the peer and the test tools
+    assert re.search(r"^lab:", (ROOT / "Makefile").read_text(), re.M)
+    lab, full = ((ROOT / f).read_text() for f in ("requirements-lab.txt", "requirements.txt"))
+    assert re.search(r"^jupyterlab==", lab, re.M) and not re.search(r"^llama-cpp-python", lab, re.M)
+    assert re.search(r"^-r requirements-lab.txt$", full, re.M) and re.search(r"^llama-cpp-python==", full, re.M)
+    assert "-r ../requirements-lab.txt" in (ROOT / "binder" / "requirements.txt").read_text()   # Binder: the lab set
+
+
+def test_notebook_pages_offer_binder_and_colab_where_the_repository_is_known(tmp_path):
+    """A two-page book with the course's launch buttons and run_locally, built as the publishing workflow
+    builds it (the repository known): its notebook page links Binder and Colab at that repository's main."""
+    book = tmp_path / "book"
+    (book / "book" / "x").mkdir(parents=True)
+    config = {"title": "t", "execute": {"execute_notebooks": "off"},
+              "launch_buttons": yaml.safe_load((ROOT / "_config.yml").read_text())["launch_buttons"],
+              "sphinx": {"local_extensions": {"run_locally": str(ROOT / "book" / "_ext")}}}
+    (book / "_config.yml").write_text(yaml.safe_dump(config))
+    (book / "_toc.yml").write_text("format: jb-book\nroot: book/intro\nchapters:\n  - file: book/x/a\n")
+    (book / "book" / "intro.md").write_text("# Intro\n")
+    nb = {"cells": [{"cell_type": "markdown", "metadata": {}, "source": "# A"}], "nbformat": 4, "nbformat_minor": 5,
+          "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}}
+    (book / "book" / "x" / "a.ipynb").write_text(json.dumps(nb))
+    env = {**os.environ, "BOOK_REPOSITORY_URL": "https://github.com/someone/course"}
+    env.pop("GITHUB_REF_NAME", None)
+    run = subprocess.run([str(Path(sys.executable).parent / "jupyter-book"), "build", str(book), "--warningiserror"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    page = (book / "_build" / "html" / "book" / "x" / "a.html").read_text()
+    assert "https://mybinder.org/v2/gh/someone/course/main?urlpath=lab/tree/book/x/a.ipynb" in page
+    assert "https://colab.research.google.com/github/someone/course/blob/main/book/x/a.ipynb" in page
 
 
 def test_links_between_pages_land_on_what_they_name(built_book):

@@ -3,8 +3,8 @@
 The repository is found where the book is built: `BOOK_REPOSITORY_URL` if set, else GitHub Actions'
 `GITHUB_SERVER_URL`/`GITHUB_REPOSITORY` (the publishing workflow, .github/workflows/book.yml), else
 the checkout's `origin` remote. When one is found, the box starts with `git clone`, and the theme shows
-its repository button if it knows the host; when none is (a copy with no remote), the box starts from
-the copy's root.
+its repository button and the Binder and Colab launch buttons (`_config.yml`, `launch_buttons`) if it knows the
+host; when none is (a copy with no remote), the box starts from the copy's root and no page offers a launch.
 
 Every page made from a notebook gets the box under its title: the exact commands that set up the
 course's environment and open this notebook in JupyterLab, since a downloaded `.ipynb` alone cannot
@@ -47,7 +47,7 @@ def commands(notebook: str, url: str | None) -> list[str]:
     """The shell lines that take a reader from nothing to `notebook` (a path from the repository root)
     open in JupyterLab, with `ref_impl` importable."""
     start = [f"git clone {url}", f"cd {url.rsplit('/', 1)[-1]}"] if url else ["cd path/to/your/copy   # its root"]
-    return start + ["make setup          # .venv with MLX, ref_impl and JupyterLab (about 6 minutes)",
+    return start + ["make lab            # .venv with MLX, ref_impl and JupyterLab (a minute or two, nothing to compile)",
                     f".venv/bin/jupyter lab {notebook}"]
 
 
@@ -63,12 +63,20 @@ def box(notebook: str, url: str | None) -> str:
             "<p>Live cells then measure your machine; exercise cells keep your code.</p></details>")
 
 
+def branch(env: dict[str, str] | None = None) -> str:
+    """The branch the book is published from: `BOOK_REPOSITORY_BRANCH`, GitHub Actions' `GITHUB_REF_NAME`, or main
+    (Jupyter Book's own default, master, would send the Binder and Colab buttons to a branch that does not exist)."""
+    env = os.environ if env is None else env
+    return env.get("BOOK_REPOSITORY_BRANCH") or env.get("GITHUB_REF_NAME") or "main"
+
+
 def _set_repository(app, config) -> None:
     url = config.book_repository_url = repository_url()
     if url and theme_knows(url):
+        # the repository button, and the launch buttons (_config.yml, launch_buttons) that read the same options
         options = dict(config.html_theme_options or {})
         options.update(repository_url=url, use_repository_button=True, use_issues_button=True,
-                       repository_branch=options.get("repository_branch") or "main", path_to_docs="")
+                       repository_branch=branch(), path_to_docs="")
         config.html_theme_options = options
 
 
@@ -77,7 +85,7 @@ def _add_box(app, pagename, templatename, context, doctree) -> None:
     body = context.get("body")
     if source is None or source.suffix != ".ipynb" or not body:
         return
-    notebook = source.resolve().relative_to(ROOT).as_posix()
+    notebook = source.resolve().relative_to(Path(app.srcdir).resolve()).as_posix()   # from the book's root
     at = body.find("</h1>")
     at = at + len("</h1>") if at >= 0 else 0
     context["body"] = body[:at] + box(notebook, app.config.book_repository_url) + body[at:]
