@@ -2,7 +2,7 @@
 
 Small modules, one concept each, that compose into one working MLX decoder:
 platform -> formats -> engine -> kernels -> training, measure -> ledger, with theory (numpy, first
-principles) and viz (figures) beside them; see DESIGN.md, "The engine".
+principles) and viz (figures) beside them; see README.md, "Layout".
 
 On Linux the MLX CPU wheel calls a slow reference BLAS; an optimized one is loaded here,
 before anything imports mlx (see platform/blas.py).

@@ -66,7 +66,7 @@ def test_notebooks_are_stored_without_outputs(path):
                        "clear them before committing")
 
 
-# The chapter template (../shared/DESIGN.md, "The book"): every chapter has these second-level
+# The chapter template (how-to-read.ipynb tells the reader): every chapter has these second-level
 # sections, a heading's number aside ("## 4. Live: ..."), with the learning goals first and the further
 # reading last. A pattern matches the start of the heading, so a section can say more after a colon.
 TEMPLATE = {

@@ -1,6 +1,6 @@
 """The engine's architecture, checked from its source: layers, imports one way, public names only, sizes.
 
-DESIGN.md, "The engine": platform -> formats -> engine -> kernels -> training, measure -> ledger; theory (numpy
+The layers (README.md, "Layout"): platform -> formats -> engine -> kernels -> training, measure -> ledger; theory (numpy
 only) and viz (nothing from ref_impl) may be imported by anyone; exercises use theory, formats and engine. Each
 module is parsed, never imported, so a violation is reported with its file and line.
 """

@@ -26,7 +26,8 @@ import numpy as np
 import ref_impl
 from ref_impl import MODELS_DIR
 
-SEEDS = ("000_8c45ce1e9e68affe.txt", "001_71c9d8b5ea64f620.txt")  # in ../shared/seeds/
+SOURCES_DIR = ref_impl.ROOT / "sources"   # the two research notes, byte for byte; sources/README.md says what they are
+SEEDS = ("000_8c45ce1e9e68affe.txt", "001_71c9d8b5ea64f620.txt")  # the notes' files in SOURCES_DIR
 CHAPTERS = ("roofline", "signalling", "interconnect", "gguf", "kquants", "dispatch", "kv-cache", "speculative")
 STATUSES = ("confirmed", "qualified", "refuted", "not testable here", "pending")
 VOCABULARY = {   # what each status means, the same for every claim; the ledger page prints it
@@ -88,7 +89,7 @@ class Claim:
     chapter: str                # one of CHAPTERS
     short: str
     quote: str                  # the seed sentence, verbatim
-    seed: str                   # its file in ../shared/seeds/
+    seed: str                   # its note: a file in SOURCES_DIR (sources/)
     rule: str = ""              # which evidence, which thresholds, which verdict: shown on the ledger page
     gather: Callable[[bool], Any] | None = None     # live -> evidence, or None when its results are missing
     judge: Callable[[Any], Verdict] | None = None   # evidence -> verdict: pure, the rule applied
@@ -164,17 +165,18 @@ def first_sentence(text: str, min_words: int = 8) -> str:
 
 
 _LEDGER_CSS = """<style>
+div.claim-ledger-box {overflow-x: auto; max-width: 100%}
 table.claim-ledger {width: 100%; table-layout: fixed; border-collapse: collapse; font-size: 0.85em}
-table.claim-ledger th, table.claim-ledger td {vertical-align: top; padding: 6px 8px; overflow-wrap: anywhere}
+table.claim-ledger th, table.claim-ledger td {vertical-align: top; padding: 6px 8px; overflow-wrap: anywhere;
+  text-align: left}
 table.claim-ledger tbody tr {border-top: 1px solid #ddd}
-table.claim-ledger col.id {width: 4.5em} table.claim-ledger col.page {width: 8.5em}
-table.claim-ledger col.claim {width: 26%} table.claim-ledger col.rule {width: 26%}
+table.claim-ledger col.id {width: 9.5em} table.claim-ledger col.claim {width: 38%}
+table.claim-ledger .page {font-size: 0.92em}
 table.claim-ledger .verdict {font-weight: bold; white-space: nowrap}
 table.claim-ledger details {margin-top: 4px; font-size: 0.92em}
 table.claim-ledger details dl {margin: 4px 0 0 0} table.claim-ledger details dd {margin-left: 1em}
 @media (max-width: 640px) {
-  table.claim-ledger colgroup {display: none}
-  table.claim-ledger thead {display: none}
+  table.claim-ledger colgroup, table.claim-ledger thead {display: none}
   table.claim-ledger tr, table.claim-ledger td {display: block; width: auto}
   table.claim-ledger td {padding: 2px 6px}
 }
@@ -182,28 +184,32 @@ table.claim-ledger details dl {margin: 4px 0 0 0} table.claim-ledger details dd 
 
 
 def ledger_html(rows: list[tuple[Claim, Verdict]]) -> str:
-    """The ledger as one escaped HTML table a reader scans: one row per claim with its id, page, short
-    form, decision rule, verdict and one-sentence reason; the full verdict, evidence, condition, source
-    and seed text one click away. Row ids (`claim-C04`) and page links let a chapter and the ledger point at each other:
-    the links are relative to a page one folder below book/, as every chapter and the ledger are."""
+    """The ledger as one escaped HTML table a reader scans: one row per claim with its id and page, short
+    form, verdict and one-sentence reason; the decision rule, full verdict, evidence, condition, source and
+    seed text one click away, so that three columns keep the rows short. Row ids (`claim-C04`) and page
+    links let a chapter and the ledger point at each other: the links are relative to a page one folder
+    below book/, as every chapter and the ledger are. The table scrolls inside its box and stacks its cells
+    on a narrow screen."""
     e = html.escape
     body = []
     for c, v in rows:
         page = page_of(c)
         evidence = "".join(f"<li>{e(k)}: <b>{e(str(n))}</b></li>" for k, n in v.evidence.items())
-        more = [("Verdict", e(v.summary))]
+        more = [("Decision rule", e(c.rule))] if c.rule else []
+        more += [("Verdict", e(v.summary))]
         more += [("Evidence", f"<ul>{evidence}</ul>")] if evidence else []
         more += [("Holds when", e(v.condition))] if v.condition else []
         more += [("Source", e(v.source))] if v.source else []
         more += [("Seed text", f"<q>{e(c.quote)}</q> ({e(c.seed)})")]
         details = "".join(f"<dt>{k}</dt><dd>{d}</dd>" for k, d in more)
         body.append(
-            f"<tr id='claim-{c.id}'><td><a href='../appendix/ledger.html#claim-{c.id}'><b>{c.id}</b></a></td>"
-            f"<td><a href='../{page}.html'>{e(page.split('/')[-1])}</a></td><td>{e(c.short)}</td><td>{e(c.rule)}</td>"
+            f"<tr id='claim-{c.id}'><td><a href='../appendix/ledger.html#claim-{c.id}'><b>{c.id}</b></a><br>"
+            f"<span class='page'>checked in <a href='../{page}.html'>{e(page.split('/')[-1])}</a></span></td>"
+            f"<td>{e(c.short)}</td>"
             f"<td><span class='verdict' style='color:{COLOURS[v.status]}'>{e(v.status)}</span>: "
             f"{e(first_sentence(v.summary))}"
-            f"<details><summary>evidence, condition, source</summary><dl>{details}</dl></details></td></tr>")
-    cols = "".join(f"<col class='{k}'>" for k in ("id", "page", "claim", "rule", "verdict"))
-    head = "".join(f"<th>{h}</th>" for h in ("Claim", "Page", "What it says", "Decision rule", "Verdict and reason"))
-    return (f"{_LEDGER_CSS}<table class='claim-ledger'><colgroup>{cols}</colgroup>"
-            f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>")
+            f"<details><summary>rule, evidence, source</summary><dl>{details}</dl></details></td></tr>")
+    cols = "".join(f"<col class='{k}'>" for k in ("id", "claim", "verdict"))
+    head = "".join(f"<th>{h}</th>" for h in ("Claim, page", "What it says", "Verdict and reason"))
+    return (f"{_LEDGER_CSS}<div class='claim-ledger-box'><table class='claim-ledger'><colgroup>{cols}</colgroup>"
+            f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table></div>")

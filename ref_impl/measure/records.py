@@ -3,8 +3,8 @@ one definition of the roofs their shares are divided by.
 
 Every measured number the book shows is one record {experiment, model, weights, kv, context, variant,
 metric, unit, value, samples, peer, ...extra} (`record`), written once per machine and run into
-results/<label>-<date>.json {schema, date, git, command, machine, records} (`write_results`; DESIGN.md,
-"Measured results"). A file read back is a `Run`: which machine, when, at which commit, by which command.
+results/<label>-<date>.json {schema, date, git, command, machine, records} (`write_results`).
+A file read back is a `Run`: which machine, when, at which commit, by which command.
 
 Which run a page shows is chosen in one place. `reference(experiment, label)` is the run every chapter
 uses for one experiment on one reference machine: its newest complete run (`complete`: no value a NaN).
