@@ -265,6 +265,8 @@ def test_viz_lint_rejects_two_labels_alike_and_long_legends_and_the_renderer_ref
     seven = viz.line_chart({f"s{i}": ([0, 1], [i, i]) for i in range(7)}, "Seven", "Time (s)", "Rate (tokens/s)")
     assert any("7 legend entries, more than 6" in p for p in viz.lint(seven))
     assert viz.lint(seven.update_layout(showlegend=False, hovermode="x unified")) == []   # a hover table
+    by_menu = viz.line_chart({f"s{i}": ([0, 1], [i, i]) for i in range(8)}, "Menu", "Time (s)", "Rate (tokens/s)")
+    assert viz.lint(viz.with_dropdown(by_menu, {"first": range(4), "second": range(4, 8)})) == []   # 4 at a time
     with pytest.raises(ValueError, match="breaks the book's figure rules.*share the categories"):
         viz.CourseRenderer().to_mimebundle(twice.to_dict())
     assert viz.with_dropdown(seven, {"a": [0]}).layout.updatemenus[0].x == 0   # left: the toolbar is at the right

@@ -113,9 +113,10 @@ def lint(fig: go.Figure) -> list[str]:
             continue
         if owner.setdefault(c, t.name) != t.name:
             problems.append(f"{owner[c]!r} and {t.name!r} share the colour {c}")
-    entries = {t.legendgroup or t.name for t in fig.data if t.name and t.showlegend is not False}
-    if len(entries) > MAX_LEGEND and fig.layout.showlegend is not False:
-        problems.append(f"{len(entries)} legend entries, more than {MAX_LEGEND}: group them, name them on an axis, "
+    entries = max(len({t.legendgroup or t.name for t in shown if t.name and t.showlegend is not False})
+                  for shown in _shown_together(fig))   # a hidden trace has no legend entry
+    if entries > MAX_LEGEND and fig.layout.showlegend is not False:
+        problems.append(f"{entries} legend entries, more than {MAX_LEGEND}: group them, name them on an axis, "
                         "or split the figure")
     legend = fig.layout.legend
     if legend.orientation == "v" or (legend.x is not None and legend.x >= 1 and legend.xref != "container"):
