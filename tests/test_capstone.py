@@ -1,8 +1,9 @@
 """bench --capstone's reading side: which run the chapter's tables come from."""
 
 import json
+import re
 
-from ref_impl.measure import capstone
+from ref_impl.measure import capstone, records
 from ref_impl.measure.records import record, references
 
 
@@ -75,3 +76,11 @@ def test_perplexity_scores_windows_of_the_files_own_context_after_the_long_case(
     recs = capstone.perplexity_records(plan, weights, tokenizer, lambda msg: None)
     scored = [r for r in recs if r["metric"] == "heldout_perplexity"]
     assert scored and all((r["context"], r["tokens"]) == (512, 512) for r in scored)
+
+
+def test_rung_table_has_units_no_e_notation_and_says_what_was_not_measured():
+    run = records.reference("capstone", "h200", model="stdlib-10m")
+    rows = capstone.table(run.records)
+    page = capstone.rung_table(rows, run, "H200")._repr_html_()
+    assert not re.search(r"\d\.?\d*e[+-]\d+", page) and "(tok/s)" in page
+    assert any("not measured" in line for line in capstone.not_measured(rows))

@@ -23,6 +23,9 @@ model is trained on 512 positions, so there it is timed only (its text past 512 
 With `--shape` the weights are random values of a public model's shape (speed does not depend on them):
 no draft or MTP heads exist for them and perplexity means nothing, so those rungs are left out.
 
+Read back, a run's records become one row per rung or peer (`table`), and the chapter shows those rows with
+`rung_table` (a column per metric, its unit in the header and its meaning under the table) and `not_measured`.
+
 See chapter: capstone
 """
 
@@ -37,7 +40,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ref_impl import kernels
+from ref_impl import kernels, viz
 from ref_impl.engine.checkpoint import load, load_model
 from ref_impl.engine.compose import Techniques, steps
 from ref_impl.engine.generate import Sampler
@@ -50,7 +53,7 @@ from ref_impl.formats import gguf
 from ref_impl.formats.quantize import quantize_file
 from ref_impl.measure.decode import decode_bytes, roofs
 from ref_impl.measure.peers import Stream, llama_bench_records, llama_cpp_stream, mlx_lm_stream
-from ref_impl.measure.records import dtype_name, fastest_bandwidth, record
+from ref_impl.measure.records import Run, bandwidth, dtype_name, fastest_bandwidth, record
 from ref_impl.measure.spec import heldout_prompts
 from ref_impl.platform.machine import package_version
 from ref_impl.platform.timing import TokenRun, decode_metrics, time_tokens
@@ -425,3 +428,81 @@ def table(records: Sequence[dict]) -> list[dict]:
         if r["metric"] in ("skipped", "peer_error"):
             row["note"] = r.get("note")
     return list(rows.values())
+
+
+# ---- showing a run ------------------------------------------------------------------------------------
+
+LOOPS = {"plain": "plain (synchronous loop)", "+pipeline": "+pipeline (pipelined loop)"}   # the ladder's two loops
+METRICS = (   # (metric, column header, format, scale to the header's unit, what the column means)
+    ("tokens_per_s", "decode (tok/s)", ",.1f", 1, "tokens per second after the first, median over the prompts"),
+    ("ttft_ms", "TTFT (ms)", ",.1f", 1, "time to first token (the prompt's prefill and one step), median over the prompts"),
+    ("itl_p50_ms", "ITL p50 (ms)", ",.2f", 1, "inter-token latency, the median gap between two tokens; a speculative "
+     "rung emits a verification's tokens together, so its median gap is near 0"),
+    ("itl_p99_ms", "ITL p99 (ms)", ",.1f", 1, "the 99th percentile of the same gaps: for a speculative rung, one whole "
+     "draft-and-verify step"),
+    ("peak_memory", "peak memory (MB)", ",.1f", 1e-6, "MLX's peak memory while it decoded: weights, cache, work arrays"),
+    ("greedy_agreement", "agreement (%)", ",.1f", 100, "the share of generated positions whose token is the plain "
+     "rung's, mean over the prompts; decoding is greedy, so after the first token that differs the two texts part: a "
+     "low share says how early a text departs, not how far"),
+    ("alpha", "acceptance (%)", ",.1f", 100, "the share of drafted tokens the model accepted"),
+    ("bandwidth_fraction", "bandwidth (%)", ",.2f", 100, ""),   # its note names the run's measured bandwidth
+)
+KV_NAMES = {"f32": "float32", "f16": "float16", "sym8": "8-bit symmetric, dequantized for attention",
+            "affine8-g64": "8-bit affine in groups of 64 (a fused rung's attention reads the codes)",
+            "affine4-g64": "4-bit affine in groups of 64", "Q8_0": "llama.cpp's 8-bit blocks of 32"}
+
+
+def row_name(row: dict) -> str:
+    """A row as a table names it: the peer that ran it, or the rung (the ladder's first two name their loop)."""
+    return row["peer"] or LOOPS.get(row["variant"], row["variant"])
+
+
+def rung_table(rows: Sequence[dict], run: Run, caption: str, first: str = "rung",
+               leave_out: Sequence[str] = ()) -> viz.Table:
+    """Rows of `table` (one run's rungs or peers) as a table: a column per metric that some row has, in the
+    header's unit, with what it means under the table; the bandwidth column's note names the measured
+    bandwidth of the run it divides by (`records.bandwidth`). A rung the machine refused, or a peer that
+    failed, reads "not measured" (`not_measured` says why)."""
+    gbs, roofs_run = bandwidth(run)
+    where = "this run's" if roofs_run.file == run.file else f"results/{roofs_run.file}'s"
+    shown = [m for m in METRICS if m[0] not in leave_out and any(r.get(m[0]) is not None for r in rows)]
+    scopes = {r.get("peak_scope") for r in rows if r.get("peak_memory") is not None}
+    ladder = any(r.get("ladder") is not None for r in rows)
+    columns = [viz.Column(first, note="the ladder's rungs (+) each add one switch to the rung above; the others "
+                                      "turn one on over the pipelined float rung" if ladder else ""),
+               viz.Column("weights", note="F32 or F16 is the float file, Q4_K_M its 4-bit K-quants"),
+               viz.Column("KV cache", note="; ".join(f"{kv}: {KV_NAMES[kv]}" for kv in
+                                                     dict.fromkeys(r["kv"] for r in rows) if kv in KV_NAMES))]
+    for metric, header, fmt, _, note in shown:
+        if metric == "bandwidth_fraction":
+            note = (f"decode tok/s times the bytes one plain step reads, over the measured bandwidth, {gbs:,.1f} GB/s "
+                    f"({where} fastest memory probe); a speculative rung's share is an effective one")
+        if metric == "peak_memory" and "run" in scopes:
+            note += ("; this run kept every model it had loaded in memory, so each peak covers them too, not the "
+                     "rung's alone" if scopes == {"run"} else "; *: recorded while the run kept every model it had "
+                     "loaded in memory, so the peak covers them too, not the rung's alone")
+        columns.append(viz.Column(header, fmt, note))
+    body = []
+    for r in rows:
+        values = []
+        for metric, _, fmt, scale, _ in shown:
+            v = r.get(metric)
+            v = None if v is None else v * scale
+            if metric == "peak_memory" and v is not None and len(scopes) > 1 and r.get("peak_scope") == "run":
+                v = f"{v:{fmt}}*"
+            values.append(v)
+        if r.get("note") and values:
+            values[0] = "not measured"
+        body.append([row_name(r), r["weights"] or "–", r["kv"] or "–", *values])
+    return viz.table(columns, body, caption)
+
+
+def not_measured(rows: Sequence[dict]) -> list[str]:
+    """One line per row of `rung_table` that reads "not measured": the rung or peer, and the error's first clause."""
+    out = []
+    for r in rows:
+        if r.get("note"):
+            message = r["note"].partition(": ")[2] or r["note"]      # without the error's class
+            name = f"{row_name(r)}, kv {r['kv']}" if r["peer"] else row_name(r)
+            out.append(f"{name}: not measured: {message.split(': ')[0]}")
+    return out
