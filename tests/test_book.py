@@ -721,6 +721,32 @@ def test_run_it_locally_names_the_repository_from_wherever_the_book_is_built():
     assert "-r ../requirements-lab.txt" in (ROOT / "binder" / "requirements.txt").read_text()   # Binder: the lab set
 
 
+@pytest.mark.parametrize("path", notebooks(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_notebook_starts_by_installing_the_course_where_it_is_missing(path):
+    """Colab, or a notebook opened alone: its first code cell fetches the course (run_locally.setup_cell);
+    the book's pages leave it out (remove-cell)."""
+    sys.path.insert(0, str(ROOT / "book" / "_ext"))
+    import run_locally as rl
+
+    first = next(c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code")
+    assert "".join(first["source"]) == rl.setup_cell(path.relative_to(ROOT).as_posix()), \
+        f"{path.relative_to(ROOT)}: its first code cell is not the course's setup cell (run_locally.setup_cell)"
+    assert {"remove-cell", rl.SETUP_TAG} <= set(first["metadata"].get("tags", []))
+
+
+def test_the_setup_cell_says_how_to_get_the_course_and_does_nothing_where_it_is_installed():
+    sys.path.insert(0, str(ROOT / "book" / "_ext"))
+    import run_locally as rl
+
+    cell = rl.setup_cell("book/intro/roofline.ipynb")
+    env = {k: v for k, v in os.environ.items() if k != "COURSE_REPOSITORY"}
+    alone = subprocess.run([sys.executable, "-I", "-S", "-c", cell], capture_output=True, text=True, env=env)
+    assert alone.returncode != 0 and "clone the course and run `make lab`" in alone.stderr   # no site-packages
+    here = subprocess.run([sys.executable, "-c", cell + "\nprint(os.getcwd())"], capture_output=True, text=True,
+                          env={**env, "COURSE_REPOSITORY": "/nonexistent"}, cwd=ROOT / "book")
+    assert here.returncode == 0 and here.stdout.strip() == str(ROOT / "book"), here.stderr   # installed: nothing
+
+
 def test_notebook_pages_offer_binder_and_colab_where_the_repository_is_known(tmp_path):
     """A two-page book with the course's launch buttons and run_locally, built as the publishing workflow
     builds it (the repository known): its notebook page links Binder and Colab at that repository's main."""

@@ -70,6 +70,37 @@ def branch(env: dict[str, str] | None = None) -> str:
     return env.get("BOOK_REPOSITORY_BRANCH") or env.get("GITHUB_REF_NAME") or "main"
 
 
+SETUP_TAG = "course-setup"   # the first code cell of every notebook, removed from the book's pages
+
+
+def setup_cell(notebook: str) -> str:
+    """The source of the first code cell of `notebook` (a path from the repository's root): nothing where the
+    course is installed (`make lab`, `make setup`, Binder); where it is not (Colab, a notebook opened alone),
+    it fetches the course from COURSE_REPOSITORY, installs the notebooks' set and moves into the notebook's
+    folder, or says in one line how to."""
+    folder = notebook.rsplit("/", 1)[0]
+    return f"""# Setup: the course's engine, ref_impl, is installed by `make lab`, `make setup` or Binder, and then this
+# cell does nothing. Elsewhere (Colab, a notebook opened alone) it fetches the course from COURSE_REPOSITORY.
+import importlib.util
+import os
+import subprocess
+import sys
+
+if importlib.util.find_spec("ref_impl") is None:
+    repository = os.environ.get("COURSE_REPOSITORY")
+    if not repository:
+        raise RuntimeError("this notebook needs the course's engine: clone the course and run `make lab`, or set "
+                           "os.environ['COURSE_REPOSITORY'] to its git URL and run this cell again")
+    course = os.path.expanduser("~/local-inference-course")
+    if not os.path.isdir(course):
+        subprocess.run(["git", "clone", "--depth", "1", repository, course], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "-r", f"{{course}}/requirements-lab.txt"], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "-e", course], check=True)
+    sys.path.insert(0, course)
+    os.chdir(f"{{course}}/{folder}")
+"""
+
+
 def _set_repository(app, config) -> None:
     url = config.book_repository_url = repository_url()
     if url and theme_knows(url):
