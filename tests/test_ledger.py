@@ -195,6 +195,8 @@ def test_number_formatting_keeps_three_figures_and_the_unit():
     assert str(ledger.Number(1169.4, "FLOP/byte")) == "1,169 FLOP/byte"
     assert str(ledger.Number(24.375, "Gbps")) == "24.4 Gbps"
     assert str(ledger.Number(0.99951, "FLOP/byte")) == "1.00 FLOP/byte"
+    assert str(ledger.Number(1.2e-12, "errors/bit")) == "1.20 × 10⁻¹² errors/bit"   # a power of ten, not 1.20e-12
+    assert str(ledger.Number(0.002, "s")) == "0.00200 s"
 
 
 def test_ledger_html_escapes_text_and_has_one_row_per_claim():

@@ -41,8 +41,15 @@ SHIPPED_MODEL = MODELS_DIR / "stdlib-10m.gguf"
 
 
 def figure(v: float) -> str:
-    """A measured value as the ledger prints it: three significant figures, thousands separated."""
+    """A measured value as the ledger prints it: three significant figures, thousands separated; under a
+    thousandth, as a power of ten ("1.20 × 10⁻¹²", an error rate), never e-notation."""
+    if v and abs(v) < 1e-3:
+        mantissa, exponent = f"{v:.2e}".split("e")
+        return f"{mantissa} × 10{str(int(exponent)).translate(SUPERSCRIPT)}"
     return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 10 else f"{v:#.3g}"
+
+
+SUPERSCRIPT = str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹")
 
 
 @dataclass(frozen=True)
