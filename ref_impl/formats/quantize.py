@@ -23,18 +23,16 @@ See chapter: kquants
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import io
 import logging
 import os
-import tempfile
 from dataclasses import dataclass
 
 import numpy as np
 
 from ref_impl.formats import gguf, kquants
 from ref_impl.formats.ggml import GGMLType, block_size
+from ref_impl.platform.quiet import held_stderr
 
 
 @dataclass(frozen=True)
@@ -205,21 +203,11 @@ def with_llama_cpp(src: str | os.PathLike, dst: str | os.PathLike, file_type: st
     level = logger.level
     logger.setLevel(logging.DEBUG)   # every line of its log, to say why when it fails
     try:
-        # llama.cpp logs through llama-cpp-python's callback (to Python's sys.stderr) and, for some
-        # messages, straight to the C stderr (file descriptor 2); its quantizer warns once per tensor it
-        # falls back on. Both are held aside, so a page that quantizes shows none of it.
-        with tempfile.TemporaryFile() as held, contextlib.redirect_stderr(io.StringIO()) as said:
-            saved = os.dup(2)
-            os.dup2(held.fileno(), 2)
-            try:
-                failed = llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(dst), ctypes.byref(params)) != 0
-            finally:
-                os.dup2(saved, 2)
-                os.close(saved)
+        with held_stderr() as log:   # its quantizer warns once per tensor it falls back on: no page shows it
+            failed = llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(dst), ctypes.byref(params)) != 0
             if failed:
-                held.seek(0)
-                log = (said.getvalue() + held.read().decode(errors="replace")).strip()[-2000:]
-                raise RuntimeError(f"llama.cpp could not quantize {src} to {file_type}" + (f": {log}" if log else ""))
+                said = log().strip()[-2000:]
+                raise RuntimeError(f"llama.cpp could not quantize {src} to {file_type}" + (f": {said}" if said else ""))
     finally:
         logger.setLevel(level)
     with gguf.read(dst) as f:
