@@ -28,7 +28,7 @@ openblas:
 
 # The notebooks, to read and run: MLX, ref_impl, JupyterLab; no compiler, no peer, no browser. A cell that
 # needs the peer says so and shows its recorded result.
-lab: $(VENV)/.lab
+lab: $(VENV)/.lab $(VOCAB)/.extracted
 	@echo "Open a chapter: $(BIN)/jupyter lab book/intro/roofline.ipynb"
 
 $(VENV)/.lab: requirements-lab.txt pyproject.toml | openblas
@@ -53,11 +53,17 @@ $(VENV)/.installed: requirements.txt requirements-lab.txt pyproject.toml | openb
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $@
 
+# A virtual environment with pip and nothing else yet: all the vocabularies below need
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
 # llama.cpp's tokenizer test vocabularies (models/ggml-vocab-*.gguf with their .inp/.out vectors) for
-# tests/test_tokenizer_llama_cpp.py: taken from the pinned llama-cpp-python source package, once
-$(VOCAB)/.extracted: requirements.txt | $(VENV)/.installed
+# tests/test_tokenizer_llama_cpp.py and the Your-model page (`make lab` too): taken from the pinned
+# llama-cpp-python source package, once. Nothing is compiled: pip reads the package's metadata with its build
+# tools as wheels (--no-binary names the one package, where :all: would build those tools from source too)
+$(VOCAB)/.extracted: requirements.txt | $(BIN)/python
 	rm -rf $(VOCAB) && mkdir -p $(VOCAB)/sdist
-	$(BIN)/python -m pip download --quiet --no-binary :all: --no-deps -d $(VOCAB)/sdist \
+	$(BIN)/python -m pip download --quiet --no-binary llama-cpp-python --no-deps -d $(VOCAB)/sdist \
 	  $$(grep '^llama-cpp-python==' requirements.txt)
 	tar -xzf $(VOCAB)/sdist/*.tar.gz -C $(VOCAB) --strip-components=4 --wildcards '*/vendor/llama.cpp/models/ggml-vocab-*'
 	rm -rf $(VOCAB)/sdist

@@ -18,6 +18,7 @@
     python -m ref_impl bench --capstone --label cpu-2core
     python -m ref_impl generate --model models/stdlib-10m.gguf --prompt "def " --pipeline 2
     python -m ref_impl bench --pipeline --label cpu-2core
+    python -m ref_impl bench --oracle --label cpu-2core
 
 Bad input (a missing or malformed file, an impossible setting) prints one line on stderr
 and exits with status 2; no traceback.
@@ -210,6 +211,17 @@ def cmd_bench(a: argparse.Namespace) -> None:
     print(f"wrote {path}")
 
 
+# bench suites switched on by a flag alone (measure/suites.py runs each): flag -> help
+SWITCHES = {
+    "--kernel-profile": "CUDA: CUPTI kernel times of decode per fused launch",
+    "--layer-launches": "CUDA: the fused kernels queued, per launch setting",
+    "--gemv-decode": "CUDA: the 4-bit GEMV inner loop 5 ways, GB/s, error",
+    "--ncu": "CUDA: Nsight Compute counters and stalls of the fused kernels",
+    "--oracle": "the pages' comparisons with llama.cpp (needs llama-cpp-python): --model's Q4_K_M tensors and logits "
+                "against llama.cpp's, and a Qwen2-style random file's tokens and first greedy tokens; times nothing",
+}
+
+
 def add_bench(sub) -> None:
     """The bench command's flags: each suite's switch (measure/suites.py) and its sizes."""
     b = sub.add_parser("bench", help="measure decode speed (and peers) and write results/*.json")
@@ -242,10 +254,8 @@ def add_bench(sub) -> None:
     b.add_argument("--kernels", action="store_true",
                    help="custom CUDA GEMV kernels vs MLX's built-ins: GB/s per matrix of --shape (default "
                         "Llama-3.1-8B), decode tok/s per --weights type with and without them; needs CUDA")
-    b.add_argument("--kernel-profile", action="store_true", help="CUDA: CUPTI kernel times of decode per fused launch")
-    b.add_argument("--layer-launches", action="store_true", help="CUDA: the fused kernels queued, per launch setting")
-    b.add_argument("--gemv-decode", action="store_true", help="CUDA: the 4-bit GEMV inner loop 5 ways, GB/s, error")
-    b.add_argument("--ncu", action="store_true", help="CUDA: Nsight Compute counters and stalls of the fused kernels")
+    for flag, text in SWITCHES.items():
+        b.add_argument(flag, action="store_true", help=text)
     b.add_argument("--llama-bench", metavar="PATH",
                    help="for --kernels and --capstone: llama.cpp's llama-bench binary, run on the same GGUF files as "
                         "the peer")

@@ -24,6 +24,7 @@ from mlx.utils import tree_flatten
 
 from ref_impl.engine.model import Model
 from ref_impl.measure.records import record
+from ref_impl.platform.quiet import held_stderr
 from ref_impl.platform.timing import TokenRun, token_runs
 
 Stream = Callable[[list[int], int], Iterator[int]]   # (prompt, n) -> greedy token ids, as they come
@@ -67,6 +68,16 @@ def mlx_lm_peer(ours_model: Model, prompt: list[int], n: int, repeats: int) -> l
     return token_runs(lambda: stream(prompt, n), n, repeats)
 
 
+def llama_cpp_available() -> bool:
+    """Whether llama.cpp's Python bindings (llama-cpp-python) import here: the peer is optional (`make lab`
+    leaves it out, `make setup` builds it)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except (ImportError, OSError, RuntimeError):   # not installed, or its shared library does not load
+        return False
+    return True
+
+
 def llama_cpp_stream(path: Path, n_ctx: int, kv_type: str | None = None) -> Stream:
     """llama.cpp on a GGUF file through llama-cpp-python, greedy, every layer offloaded where it was built
     with a GPU backend; kv_type: its KV cache's GGML type for keys and values (e.g. "Q8_0"; default F16),
@@ -76,8 +87,9 @@ def llama_cpp_stream(path: Path, n_ctx: int, kv_type: str | None = None) -> Stre
     kv = {} if kv_type is None else {"type_k": getattr(llama_cpp, f"GGML_TYPE_{kv_type}"),
                                      "type_v": getattr(llama_cpp, f"GGML_TYPE_{kv_type}"), "flash_attn": True}
     # n_gpu_layers=-1 offloads every layer when llama.cpp was built with a GPU backend; a CPU build ignores it
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=os.cpu_count(), n_batch=n_ctx,
-                          n_gpu_layers=-1, verbose=False, **kv)
+    with held_stderr():   # llama.cpp's warnings about the file (its training context, ...) are not ours to print
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=os.cpu_count(), n_batch=n_ctx,
+                              n_gpu_layers=-1, verbose=False, **kv)
 
     def stream(prompt: list[int], n: int) -> Iterator[int]:
         llm.reset()
@@ -97,9 +109,10 @@ def llama_cpp_logits(path: Path, ids: Sequence[int]) -> np.ndarray:
     thread (its spinning workers slow badly when another process keeps the other core busy), float32 KV cache."""
     import llama_cpp
 
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(ids), n_batch=len(ids), logits_all=True,
-                          type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32,
-                          n_gpu_layers=0, n_threads=1, n_threads_batch=1, verbose=False)
+    with held_stderr():
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(ids), n_batch=len(ids), logits_all=True,
+                              type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32,
+                              n_gpu_layers=0, n_threads=1, n_threads_batch=1, verbose=False)
     llm.eval(list(ids))
     return np.array(llm.scores[:len(ids)])
 

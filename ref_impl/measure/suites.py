@@ -18,8 +18,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from ref_impl.engine.random import args_for
-from ref_impl.measure import (capstone, cupti, gemvdecode, kv, latency, layerlaunch, link, loads, ncu, pipeline, spec,
-                              unified)
+from ref_impl.measure import (capstone, cupti, gemvdecode, kv, latency, layerlaunch, link, loads, ncu, oracle,
+                              pipeline, spec, unified)
 from ref_impl.measure.decode import bench_decode, bench_shape, roofs
 from ref_impl.measure.kernels import bench_kernels
 from ref_impl.measure.quant import bench_quant, bench_quant_groups
@@ -89,6 +89,12 @@ def run_pipeline(a: argparse.Namespace, work: Path, say: Say) -> list[dict]:
         return pipeline.bench_pipeline(pipeline.PipelinePlan.quick(a.model), progress=say)
     plan = pipeline.PipelinePlan(models=(a.model, *(a.shapes or ("Llama-3.2-1B",))), stages=tuple(a.pipeline_stages))
     return pipeline.bench_pipeline(plan, progress=say)
+
+
+def run_oracle(a: argparse.Namespace, work: Path, say: Say) -> list[dict]:
+    """bench --oracle: the pages' comparisons with llama.cpp, on --model (the shipped float model) and the Qwen2-style
+    random file; refused without llama.cpp's Python bindings."""
+    return oracle.bench_oracle(Path(a.model), work, progress=say)
 
 
 # ---- what each suite prints ----------------------------------------------------------------------------
@@ -191,6 +197,11 @@ def show_capstone(records: list[dict]) -> list[str]:
                                                 "peak_memory", "peer_error")]
 
 
+def show_oracle(records: list[dict]) -> list[str]:
+    return [f"  {r['model']:<36} {r['variant']:<9} {r['metric']:<21} {value_text(r):>10} {r['unit'] or ''} "
+            f"{r.get('fallback') or (repr(r['text'])[:30] if r.get('text') else '')}" for r in records]
+
+
 # flag (an attribute of the parsed arguments) -> suite, in the order the flags are checked
 SUITES: dict[str, Suite] = {
     "capstone": Suite(run_capstone, show_capstone),
@@ -204,6 +215,7 @@ SUITES: dict[str, Suite] = {
     "unified": Suite(lambda a, work, say: unified.measure_unified(a.unified_max_bytes), show_unified),
     "alignment": Suite(lambda a, work, say: loads.bench_alignment(a.alignment_budget), show_summary),
     "quant_groups": Suite(run_quant_groups, show_summary),
+    "oracle": Suite(run_oracle, show_oracle),
     "quant": Suite(lambda a, work, say: bench_quant(Path(a.model), work, a.quant, a.ppl_tokens, a.prompt_len,
                                                     a.gen_tokens, a.repeats, peers=not a.no_peers), show_summary),
     "kernels": Suite(run_kernels, show_kernels),
