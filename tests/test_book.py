@@ -531,6 +531,39 @@ def _check_figures_read(figures: list[dict]) -> None:
         assert f["plotHeight"] >= 200, f"figure {i}: its plot is {f['plotHeight']:.0f} px tall"
 
 
+BAD_PAGE = """<!doctype html><html><head><script src="plotly.min.js"></script></head><body style="margin:8px">
+<pre style="white-space: pre">{wide}</pre>
+<div class="cell" style="height: 120px; overflow: visible"><div id="f"></div></div>
+<div class="cell"><p>the next cell</p></div>
+<script>
+Plotly.newPlot("f", [{{x: [1, 2], y: [3, 4], type: "scatter"}}],
+  {{height: 420, margin: {{t: 20}}, xaxis: {{title: {{text: "{long}"}}}},
+    updatemenus: [{{x: 1, xanchor: "right", y: 1.1, yanchor: "top", buttons: [{{label: "an option", method: "restyle", args: [{{}}]}}]}}]}},
+  {{displaylogo: false}});
+</script></body></html>"""
+
+
+def test_the_layout_checks_catch_what_they_name(tab, tmp_path):
+    """PAGE_LAYOUT on a page that breaks every rule at a phone's width: a line that widens the page, a figure
+    drawn past its cell onto the next, an axis title cut by the figure's edge, a menu under the toolbar."""
+    (tmp_path / "plotly.min.js").write_bytes((Path(plotly.__file__).parent / "package_data" / "plotly.min.js").read_bytes())
+    (tmp_path / "bad.html").write_text(BAD_PAGE.format(wide="x" * 200, long="A title far too long " * 4))
+    handler = functools.partial(_QuietHandler, directory=str(tmp_path))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    visit = PageVisit(tab, f"http://127.0.0.1:{httpd.server_address[1]}", "bad", WIDTHS["phone"])
+    try:
+        visit.page.wait_for_function("() => document.querySelector('#f .main-svg')", timeout=TIMEOUT_MS)
+        layout = visit.page.evaluate(PAGE_LAYOUT)
+    finally:
+        visit.close()
+        httpd.shutdown()
+        httpd.server_close()
+    assert all(layout[kind] for kind in ("wide", "overlaps", "clipped", "covered")), layout
+    with pytest.raises(AssertionError, match="does not lay out"):
+        _check_layout(layout)
+
+
 def _screenshot(page, path: Path) -> None:
     """The whole page as a PNG, as page.screenshot(full_page=True) takes it but with Chromium's fast PNG
     compression: the same pixels in a file a quarter larger, in two thirds of the time (a 25,000 px tall
