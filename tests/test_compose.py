@@ -22,6 +22,7 @@ from ref_impl.engine.checkpoint import load
 from ref_impl.engine.compose import Techniques, check_files, generate
 from ref_impl.engine.generate import Sampler, prefill
 from ref_impl.engine.speculative import Drafter, rewind, speculative_step
+from ref_impl.engine.tokenizer import Tokenizer
 from ref_impl.formats import gguf
 from tests.conftest import write_random_llama
 from tests.test_cli import cli
@@ -226,3 +227,15 @@ def test_cli_refusals_are_one_line_and_exit_2(args, words, strangers, capsys):
 def test_heads_file_names_its_model():
     with gguf.read(HEADS) as f, gguf.read(MODEL) as g:
         assert f.metadata["mtp.base_model"] == g.metadata["general.name"]
+
+
+def test_streamed_text_costs_one_piece_per_token_however_long_the_answer(models, monkeypatch):
+    """The text loop decodes each token's bytes once (Tokenizer.stream), never the whole answer again: the
+    work per token does not grow with the answer's length. The pieces streamed are the answer's text."""
+    calls, pieces = [], []
+    piece_bytes = Tokenizer.piece_bytes
+    monkeypatch.setattr(Tokenizer, "piece_bytes", lambda self, i: calls.append(i) or piece_bytes(self, i))
+    monkeypatch.setattr(Tokenizer, "decode", lambda self, ids: pytest.fail("follow re-decoded the whole answer"))
+    model, _, _, tok = models
+    g = generate(model, tok, PROMPT, 40, stop_at_eos=False, on_text=pieces.append)
+    assert calls == g.tokens and "".join(pieces) == g.text and g.text

@@ -261,3 +261,43 @@ def test_hf_export(tok, tmp_path, samples):
     for text in samples[:80]:
         assert hf.encode(text) == tok.encode(text, bos=True), repr(text)
         assert hf.decode(tok.encode(text), skip_special_tokens=True) == text
+
+
+def _vocab(name: str) -> Tokenizer:
+    """One of llama.cpp's tokenizer test vocabularies (`make setup` and `make lab` extract them into .vocab/)."""
+    from ref_impl import VOCAB_DIR
+
+    path = VOCAB_DIR / f"ggml-vocab-{name}.gguf"
+    if not path.is_file():
+        pytest.fail(f"{path} is missing: run `make setup` (it extracts llama.cpp's ggml-vocab-* test files)")
+    with our_gguf.read(path) as f:
+        return Tokenizer.from_gguf_metadata(f.metadata)
+
+
+# the course's own byte-level BPE, SentencePiece with byte fallback (llama-spm: "<0xE4>" tokens, "▁"), and
+# a large byte-level BPE whose tokens split CJK characters and emoji between them (qwen2)
+STREAMED = {"trained": None, "llama-spm": "llama-spm", "qwen2": "qwen2"}
+
+
+@pytest.fixture(scope="module", params=list(STREAMED))
+def streamed(request, tok) -> Tokenizer:
+    return tok if STREAMED[request.param] is None else _vocab(STREAMED[request.param])
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_streamed_text_is_the_decode_of_every_prefix(streamed, data):
+    """Random token sequences (ids from all over the vocabulary, byte tokens, controls, and the tokens of a
+    text with characters of 1 to 4 UTF-8 bytes): after each token the streamed text is the full decode of
+    the prefix less only the characters still incomplete, and with flush it is the full decode."""
+    text = data.draw(st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12))
+    noise = data.draw(st.lists(st.integers(0, streamed.vocab_size - 1), max_size=12))
+    ids = data.draw(st.permutations(streamed.encode(text) + noise))
+    stream, streamed_text = streamed.stream(), ""
+    for k, token in enumerate(ids, 1):
+        streamed_text += stream.add(token)
+        full = streamed.decode(ids[:k])
+        assert full.startswith(streamed_text) and set(full[len(streamed_text):]) <= {"\ufffd"}, (ids[:k], streamed_text)
+    assert streamed_text + stream.flush() == streamed.decode(ids)
+    again = streamed.stream()
+    assert "".join(again.add(t) for t in streamed.encode(text)) + again.flush() == streamed.decode(streamed.encode(text))

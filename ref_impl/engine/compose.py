@@ -265,8 +265,16 @@ def follow(model_steps: Iterator[SpeculativeStep], out: Generation, tokenizer: T
     step's tokens arrive and streaming text to on_text as it forms (a character whose bytes are still
     incomplete is held back); fills and returns `out`. Without a tokenizer (random weights) no text
     forms and only max_tokens stops."""
-    decode = tokenizer.decode if tokenizer is not None else (lambda ids: "")
+    stream = tokenizer.stream() if tokenizer is not None else None   # constant work per token, however long the answer
     end_ids = tokenizer.end_ids if tokenizer is not None and stop_at_eos else ()
+    pieces = [out.text] if out.text else []
+
+    def emit(piece: str) -> None:
+        if piece:
+            pieces.append(piece)
+            if on_text is not None:
+                on_text(piece)
+
     for step in model_steps:
         now = clock()
         out.forwards += 1 if out.token_times else 0
@@ -278,16 +286,12 @@ def follow(model_steps: Iterator[SpeculativeStep], out: Generation, tokenizer: T
                 break
             out.tokens.append(token)
             out.token_times.append(now)
-        text = decode(out.tokens)
-        if not text.endswith("\ufffd"):  # hold back a character whose bytes are still incomplete
-            if on_text is not None:
-                on_text(text[len(out.text):])
-            out.text = text
+            if stream is not None:
+                emit(stream.add(token))
         if done or len(out.tokens) == max_tokens:
             break
     out.peak_memory_bytes = mx.get_peak_memory()
-    final = decode(out.tokens)
-    if on_text is not None and final != out.text:
-        on_text(final[len(out.text):])
-    out.text = final
+    if stream is not None:
+        emit(stream.flush())
+    out.text = "".join(pieces)
     return out

@@ -43,6 +43,7 @@ See chapter: your-model
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -238,11 +239,19 @@ class Tokenizer:
         unused tokens give nothing; invalid UTF-8 becomes U+FFFD. For SentencePiece the space
         `encode` put in front is taken off again.
         """
-        silent = (TOKEN_UNKNOWN, TOKEN_UNUSED)
-        data = b"".join(self.token_bytes(i) for i in ids if i not in self.control and self.token_types[i] not in silent)
+        data = b"".join(self.piece_bytes(i) for i in ids)
         if self.model == "llama" and self.add_space_prefix and data.startswith(b" "):
             data = data[1:]
         return data.decode("utf-8", errors="replace")
+
+    def piece_bytes(self, token_id: int) -> bytes:
+        """The bytes a token adds to decoded text: its own, or none for a control, unknown or unused token."""
+        silent = token_id in self.control or self.token_types[token_id] in (TOKEN_UNKNOWN, TOKEN_UNUSED)
+        return b"" if silent else self.token_bytes(token_id)
+
+    def stream(self) -> TextStream:
+        """An incremental `decode` for tokens that arrive one at a time (see TextStream)."""
+        return TextStream(self)
 
     def id_to_piece(self, token_id: int) -> str:
         """Token as stored in the vocabulary, e.g. "Ġdef" (gpt2) or "▁def" (llama) for " def"."""
@@ -315,6 +324,30 @@ class Tokenizer:
                   "split_special_tokens": True,  # as `encode`: typed "<|endoftext|>" is text
                   "clean_up_tokenization_spaces": False}  # keep " ." and " 's" as written
         (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+
+
+class TextStream:
+    """The text of a growing token list at constant work per token, where decoding the whole list again at
+    every step costs more the longer the answer (a 4,000-token answer would re-decode 4,000 tokens per token).
+    `add` returns the text a token completes: a character whose UTF-8 bytes are still incomplete is held
+    back until its last byte arrives, and SentencePiece's leading space is dropped once, as `decode` drops it.
+    The pieces joined, with `flush`, are `decode` of all the tokens."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.first = tokenizer.model == "llama" and tokenizer.add_space_prefix   # a leading space still to drop
+
+    def add(self, token_id: int) -> str:
+        """The text token_id completes (often one piece; empty while a character's bytes are incomplete)."""
+        data = self.tokenizer.piece_bytes(token_id)
+        if self.first and data:
+            data, self.first = data.removeprefix(b" "), False
+        return self.utf8.decode(data)
+
+    def flush(self) -> str:
+        """What is held back at the end: an incomplete character, as U+FFFD, as `decode` gives it."""
+        return self.utf8.decode(b"", final=True)
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, *, min_frequency: int = 2,
