@@ -10,8 +10,9 @@ import pytest
 
 from ref_impl.engine.checkpoint import load, load_model
 from ref_impl.engine.compose import generate
-from ref_impl.engine.generate import Sampler, compiled_decoder, generate_step
+from ref_impl.engine.generate import Sampler, compiled_decoder, generate_step, prefill
 from ref_impl.engine.kvcache import ConcatKVCache, KVCache, StepCache
+from ref_impl.engine.model import Model
 from ref_impl.formats import gguf
 
 
@@ -190,3 +191,22 @@ def test_cache_errors_and_size():
     with pytest.raises(ValueError, match="must be positive"):
         KVCache(1, 0, 4, 4)
     assert c.nbytes == c.keys.nbytes + c.values.nbytes == 2 * 1 * 2 * 4 * 4 * 2
+
+
+def test_chunked_prefill_fills_the_cache_as_one_pass_does_and_reads_the_head_once(shipped, monkeypatch):
+    """A prompt run in chunks of 7 leaves the cache and the last logits of one whole pass (float cache), and
+    greedy decoding after it is the same; the LM head reads one position, not the prompt's."""
+    model, _ = shipped
+    prompt = mx.array([list(range(1, 60))])
+    whole, chunked = model.make_cache(), model.make_cache()
+    one = model(prompt, whole)[:, -1, :]
+    heads = []
+    logits = Model.logits
+    monkeypatch.setattr(Model, "logits", lambda self, h: heads.append(h.shape) or logits(self, h))
+    seven = prefill(model, prompt, chunked, chunk=7)
+    assert heads == [(1, model.args.hidden_size)]                 # the head on the last position only
+    assert mx.allclose(one, seven, atol=1e-4).item() and chunked[0].offset == whole[0].offset == 59
+    for a, b in zip(whole, chunked):
+        assert mx.allclose(a.keys[..., :59, :], b.keys[..., :59, :], atol=1e-5).item()
+    with pytest.raises(ValueError, match="at least 1 position"):
+        prefill(model, prompt, model.make_cache(), chunk=0)

@@ -81,9 +81,28 @@ class Sampler:
         return mx.take_along_axis(mx.softmax(ranked, axis=-1), mx.argsort(order, axis=-1), axis=-1)  # vocab order
 
 
-def prefill(model: Model, tokens: mx.array, cache: list[Cache]) -> mx.array:
-    """Run the prompt (B, L) through the model, filling the cache; return the last logits (B, V)."""
-    return model(tokens, cache)[:, -1, :]
+PREFILL_CHUNK = 512   # prompt positions a prefill pass runs at once
+
+
+def prefill_hidden(model: Model, tokens: mx.array, cache: list[Cache], chunk: int = PREFILL_CHUNK) -> mx.array:
+    """Run the prompt (B, L) into the cache `chunk` positions at a time; return the last position's hidden
+    state (B, hidden_size). Each chunk's keys and values are computed into the cache before the next chunk
+    is built, so a pass holds activations and attention scores for `chunk` positions (chunk x context scores
+    a head), whatever the prompt's length."""
+    if chunk < 1:
+        raise ValueError(f"the prefill chunk must be at least 1 position, got {chunk}")
+    for start in range(0, tokens.shape[1], chunk):
+        h = model.hidden(tokens[:, start:start + chunk], cache)
+        if start + chunk < tokens.shape[1]:
+            mx.eval(h)   # the chunk is in the cache: what built it can go before the next is built
+    return h[:, -1, :]
+
+
+def prefill(model: Model, tokens: mx.array, cache: list[Cache], chunk: int = PREFILL_CHUNK) -> mx.array:
+    """Run the prompt (B, L) through the model, filling the cache; return the last logits (B, V). The LM
+    head reads the last position only: a prompt's logits would be L x vocab_size floats (2.1 GB for 4,096
+    tokens of a 128k vocabulary), of which generation needs one row."""
+    return model.logits(prefill_hidden(model, tokens, cache, chunk))
 
 
 def decode_one_token(model: Model, token: mx.array, cache: list[Cache]) -> mx.array:

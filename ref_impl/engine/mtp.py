@@ -34,7 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ref_impl.engine.generate import Sampler
+from ref_impl.engine.generate import Sampler, prefill_hidden
 from ref_impl.engine.kvcache import KVCache
 from ref_impl.engine.model import Model, default_dtype
 from ref_impl.engine.speculative import SpeculativeStep, rewind, take, verify
@@ -162,7 +162,7 @@ def mtp_generate(model: Model, heads: MTPHeads, prompt: list[int], sampler: Samp
     if not 1 <= gamma <= heads.k:
         raise ValueError(f"gamma must be between 1 and the number of heads ({heads.k}), got {gamma}")
     rng = rng if rng is not None else np.random.default_rng(sampler.seed)
-    h = model.hidden(mx.array([prompt]), cache)[0, -1]                  # (d,)
+    h = prefill_hidden(model, mx.array([prompt]), cache)[0]             # (d,), the prompt in chunks
     y = sampler(model.logits(h[None]))
     yield SpeculativeStep([y.item()], 0, 0)
     while True:
