@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import html
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,23 +171,44 @@ def first_sentence(text: str, min_words: int = 8) -> str:
     return head.rstrip(" .;:") + "."
 
 
-_LEDGER_CSS = """<style>
-div.claim-ledger-box {overflow-x: auto; max-width: 100%}
-table.claim-ledger {width: 100%; table-layout: fixed; border-collapse: collapse; font-size: 0.85em}
-table.claim-ledger th, table.claim-ledger td {vertical-align: top; padding: 6px 8px; overflow-wrap: anywhere;
+# The look both claim tables share (the ledger's, and the Sources page's): a box that scrolls sideways rather
+# than the page, cells in fixed columns, and on a narrow screen each row's cells stacked.
+CLAIM_TABLE_CSS = """<style>
+div.claim-table-box {overflow-x: auto; max-width: 100%}
+table.claim-table {width: 100%; table-layout: fixed; border-collapse: collapse; font-size: 0.85em}
+table.claim-table th, table.claim-table td {vertical-align: top; padding: 6px 8px; overflow-wrap: anywhere;
   text-align: left}
-table.claim-ledger tbody tr {border-top: 1px solid #ddd}
-table.claim-ledger col.id {width: 9.5em} table.claim-ledger col.claim {width: 38%}
-table.claim-ledger .page {font-size: 0.92em}
-table.claim-ledger .verdict {font-weight: bold; white-space: nowrap}
-table.claim-ledger details {margin-top: 4px; font-size: 0.92em}
-table.claim-ledger details dl {margin: 4px 0 0 0} table.claim-ledger details dd {margin-left: 1em}
+table.claim-table tbody tr {border-top: 1px solid #ddd}
+table.claim-table col.id {width: 9.5em}
+table.claim-table .verdict {font-weight: bold}
+table.claim-table details {margin-top: 4px; font-size: 0.92em}
 @media (max-width: 640px) {
-  table.claim-ledger colgroup, table.claim-ledger thead {display: none}
-  table.claim-ledger tr, table.claim-ledger td {display: block; width: auto}
-  table.claim-ledger td {padding: 2px 6px}
+  table.claim-table colgroup, table.claim-table thead {display: none}
+  table.claim-table tr, table.claim-table td, table.claim-table th {display: block; width: auto}
+  table.claim-table td {padding: 2px 6px}
 }
 </style>"""
+
+_LEDGER_CSS = """<style>
+table.claim-ledger col.claim {width: 38%}
+table.claim-ledger .page {font-size: 0.92em}
+table.claim-ledger .verdict {white-space: nowrap}
+table.claim-ledger details dl {margin: 4px 0 0 0} table.claim-ledger details dd {margin-left: 1em}
+</style>"""
+
+
+def claim_table(css: str, classes: str, columns: Sequence[tuple[str, str]], body: str) -> str:
+    """A claim table in CLAIM_TABLE_CSS's look, plus `css` and `classes` of its own; `columns` are each
+    (col class, header)."""
+    cols = "".join(f"<col class='{k}'>" for k, _ in columns)
+    head = "".join(f"<th>{h}</th>" for _, h in columns)
+    return (f"{CLAIM_TABLE_CSS}{css}<div class='claim-table-box'><table class='claim-table {classes}'>"
+            f"<colgroup>{cols}</colgroup><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>")
+
+
+def evidence_items(v: Verdict) -> str:
+    """A verdict's evidence as escaped list items: each number's name and value with its unit."""
+    return "".join(f"<li>{html.escape(k)}: <b>{html.escape(str(n))}</b></li>" for k, n in v.evidence.items())
 
 
 def ledger_html(rows: list[tuple[Claim, Verdict]]) -> str:
@@ -201,7 +222,7 @@ def ledger_html(rows: list[tuple[Claim, Verdict]]) -> str:
     body = []
     for c, v in rows:
         page = page_of(c)
-        evidence = "".join(f"<li>{e(k)}: <b>{e(str(n))}</b></li>" for k, n in v.evidence.items())
+        evidence = evidence_items(v)
         more = [("Decision rule", e(c.rule))] if c.rule else []
         more += [("Verdict", e(v.summary))]
         more += [("Evidence", f"<ul>{evidence}</ul>")] if evidence else []
@@ -216,7 +237,5 @@ def ledger_html(rows: list[tuple[Claim, Verdict]]) -> str:
             f"<td><span class='verdict' style='color:{COLOURS[v.status]}'>{e(v.status)}</span>: "
             f"{e(first_sentence(v.summary))}"
             f"<details><summary>rule, evidence, source</summary><dl>{details}</dl></details></td></tr>")
-    cols = "".join(f"<col class='{k}'>" for k in ("id", "claim", "verdict"))
-    head = "".join(f"<th>{h}</th>" for h in ("Claim, page", "What it says", "Verdict and reason"))
-    return (f"{_LEDGER_CSS}<div class='claim-ledger-box'><table class='claim-ledger'><colgroup>{cols}</colgroup>"
-            f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table></div>")
+    return claim_table(_LEDGER_CSS, "claim-ledger", (("id", "Claim, page"), ("claim", "What it says"),
+                                                     ("verdict", "Verdict and reason")), "".join(body))

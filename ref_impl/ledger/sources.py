@@ -28,6 +28,8 @@ from ref_impl.ledger.core import (
     SOURCES_DIR,
     Claim,
     Verdict,
+    claim_table,
+    evidence_items,
     first_sentence,
     page_of,
 )
@@ -125,22 +127,9 @@ def locate(claim: Claim, folder: Path | None = None) -> Place:
 # ---- the Sources page's table -------------------------------------------------------------------------
 
 _SOURCES_CSS = """<style>
-div.claim-sources-box {overflow-x: auto; max-width: 100%}
-table.claim-sources {width: 100%; table-layout: fixed; border-collapse: collapse; font-size: 0.85em}
-table.claim-sources th, table.claim-sources td {vertical-align: top; padding: 6px 8px; overflow-wrap: anywhere;
-  text-align: left}
-table.claim-sources tbody tr {border-top: 1px solid #ddd}
 table.claim-sources tr.note th {padding-top: 14px; font-size: 1.05em}
-table.claim-sources col.id {width: 9.5em}
-table.claim-sources .verdict {font-weight: bold}
 table.claim-sources .where {color: #555; font-size: 0.92em; margin-bottom: 2px}
 table.claim-sources q {font-style: italic}
-table.claim-sources details {margin-top: 4px; font-size: 0.92em}
-@media (max-width: 640px) {
-  table.claim-sources colgroup, table.claim-sources thead {display: none}
-  table.claim-sources tr, table.claim-sources td, table.claim-sources th {display: block; width: auto}
-  table.claim-sources td {padding: 2px 6px}
-}
 ol.note-text {font-size: 0.85em; padding-left: 3em}
 ol.note-text li {white-space: pre-wrap; overflow-wrap: anywhere; scroll-margin-top: 5em}
 ol.note-text li:target {background: #fff3c4}
@@ -151,7 +140,7 @@ def _row(c: Claim, v: Verdict, place: Place) -> str:
     """One claim's row: id, verdict and page; where it stands and its words; what the course found."""
     e = html.escape
     page = page_of(c)
-    evidence = "".join(f"<li>{e(k)}: <b>{e(str(n))}</b></li>" for k, n in v.evidence.items())
+    evidence = evidence_items(v)
     more = f"<details><summary>evidence</summary><ul>{evidence}</ul></details>" if evidence else ""
     where = (f"Note {place.note}, <i>{e(place.section)}</i>, "
              f"<a href='#note{place.note}-line{place.line}'>line {place.line}</a>")
@@ -176,11 +165,9 @@ def sources_html(rows: list[tuple[Claim, Verdict]], folder: Path | None = None) 
         by_note[place.note][1].append(_row(c, v, place))
     body = "".join(f"<tr class='note'><th colspan='3'>Note {n}: {e(note.title)}</th></tr>" + "".join(trs)
                    for n, (note, trs) in by_note.items() if trs)
-    cols = "".join(f"<col class='{k}'>" for k in ("id", "quote", "found"))
-    head = "".join(f"<th>{h}</th>" for h in ("Claim, verdict, page", "The note says (section, line)",
-                                               "What the course found"))
-    return (f"{_SOURCES_CSS}<div class='claim-sources-box'><table class='claim-sources'><colgroup>{cols}</colgroup>"
-            f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>")
+    return claim_table(_SOURCES_CSS, "claim-sources", (("id", "Claim, verdict, page"),
+                                                       ("quote", "The note says (section, line)"),
+                                                       ("found", "What the course found")), body)
 
 
 def note_html(note: Note) -> str:
