@@ -31,6 +31,7 @@ LOG_TICKS = ",~r"
 LOG_AXIS = dict(type="log", tickformat=LOG_TICKS, dtick="D2")
 FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, 'Helvetica Neue', Arial, sans-serif"
 HEIGHT = 460  # px; the width follows the page
+MAX_LEGEND = 6   # legend entries a phone shows in full below a plot; more: group them, or name them on an axis
 MENU_TOP = 34  # px: the strip at a figure's top where plotly's toolbar appears, which a menu must leave free
 
 
@@ -77,15 +78,12 @@ def _trace_colour(trace) -> str | None:
     return None
 
 
-MAX_LEGEND = 6   # legend entries a phone shows in full below a plot; more: group them, or name them on an axis
-
-
 def _shown_together(fig: go.Figure) -> list[list]:
     """The sets of traces a reader sees at once: as first drawn, and after each menu or slider choice."""
     masks = [[t.visible is not False for t in fig.data]]
     for control in (*fig.layout.updatemenus, *fig.layout.sliders):
         for step in (*getattr(control, "buttons", ()), *getattr(control, "steps", ())):
-            visible = (step.args or [{}])[0].get("visible") if step.args else None
+            visible = step.args[0].get("visible") if step.args else None
             if isinstance(visible, (list, tuple)) and len(visible) == len(fig.data):
                 masks.append([v is not False for v in visible])
     return [[t for t, on in zip(fig.data, mask) if on] for mask in masks]
@@ -96,12 +94,15 @@ def lint(fig: go.Figure) -> list[str]:
     keeps them): two series with one label (unless one legend group: one series across menu options) or
     one colour, two bars of a trace on one category (plotly draws them as one bar), more than MAX_LEGEND
     legend entries, a legend placed at the right of the plot, a log axis without full tick labels."""
-    problems, owner = [], {}
-    for shown in _shown_together(fig):
+    problems, owner, views = [], {}, _shown_together(fig)
+    twice = set()   # labels two series of one view share, though not one legend group: one series across options
+    for shown in views:
         group: dict[str, object] = {}
         for t in shown:
-            if t.name and t.showlegend is not False and group.setdefault(t.name, t.legendgroup or id(t)) != (t.legendgroup or id(t)):
-                problems.append(f"two series shown together are labelled {t.name!r}: say what differs")
+            if t.name and t.showlegend is not False and group.setdefault(t.name, t.legendgroup or id(t)) != (
+                    t.legendgroup or id(t)):
+                twice.add(t.name)
+    problems += [f"two series shown together are labelled {name!r}: say what differs" for name in sorted(twice)]
     for t in fig.data:
         if t.type == "bar" and t.base is None:   # bars with a base are spans on a timeline, not a grouped bar each
             at = list((t.y if t.orientation == "h" else t.x) or ())
@@ -114,7 +115,7 @@ def lint(fig: go.Figure) -> list[str]:
         if owner.setdefault(c, t.name) != t.name:
             problems.append(f"{owner[c]!r} and {t.name!r} share the colour {c}")
     entries = max(len({t.legendgroup or t.name for t in shown if t.name and t.showlegend is not False})
-                  for shown in _shown_together(fig))   # a hidden trace has no legend entry
+                  for shown in views)   # a hidden trace has no legend entry
     if entries > MAX_LEGEND and fig.layout.showlegend is not False:
         problems.append(f"{entries} legend entries, more than {MAX_LEGEND}: group them, name them on an axis, "
                         "or split the figure")
