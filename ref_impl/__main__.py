@@ -1,7 +1,9 @@
-"""Command line: python -m ref_impl generate|inspect|quantize|train|bench.
+"""Command line: python -m ref_impl generate|chat|inspect|quantize|train|bench.
 
     python -m ref_impl generate --model models/stdlib-10m.gguf --prompt "def "
     python -m ref_impl generate --model ~/.ollama/models/blobs/sha256-... --chat --system "Be brief." --prompt "Hi"
+    python -m ref_impl generate --model models/stdlib-10m.gguf --prompt-file long.py --prefill-chunk 256
+    python -m ref_impl chat --model ~/.ollama/models/blobs/sha256-... --system "Be brief."
     python -m ref_impl inspect models/stdlib-10m.gguf
     python -m ref_impl quantize models/stdlib-10m.gguf /tmp/stdlib-10m-Q4_K_M.gguf --type Q4_K_M
     python -m ref_impl train --preset stdlib-10m --out models/
@@ -37,60 +39,80 @@ from ref_impl.formats import gguf
 from ref_impl.formats.quantize import FILE_TYPES, quantize_file
 
 
-def cmd_generate(a: argparse.Namespace) -> None:
-    import mlx.core as mx
+def sampler_techniques(a: argparse.Namespace, speculate: str | None = None, stages: int = 1):
+    """The Sampler and the Techniques of generate's and chat's flags (each refuses what cannot run)."""
+    from ref_impl.engine.compose import Techniques
+    from ref_impl.engine.generate import PREFILL_CHUNK, Sampler
 
-    from ref_impl import kernels
+    sampler = Sampler(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
+    techniques = Techniques(kv=a.kv, fused=a.kv_fused, speculate=speculate, gamma=getattr(a, "gamma", 4),
+                            pipeline=not a.sync, compiled=a.compile, stages=stages,
+                            prefill_chunk=a.prefill_chunk or PREFILL_CHUNK)
+    return sampler, techniques
+
+
+def load_options(a: argparse.Namespace, techniques):
+    """The load-time switches of generate's and chat's flags (kernels/loading.py)."""
+    from ref_impl.kernels.loading import LoadOptions
+
+    if a.kernels == "on" and techniques.stages > 1:
+        raise ValueError("--kernels on patches the model of one process; the --pipeline stages run MLX's own "
+                         "operations")
+    # a verification forwards gamma+1 rows: the kernels are chosen for those too when speculating
+    rows = (1, techniques.gamma + 1) if techniques.speculate else (1,)
+    return LoadOptions(weights=a.weights, kernels=a.kernels, dtype=a.dtype, rows=rows, compiled=techniques.compiled)
+
+
+def read_prompt(a: argparse.Namespace) -> str:
+    """--prompt, or the text of --prompt-file (- : standard input)."""
+    if a.prompt is not None:
+        return a.prompt
+    if a.prompt_file == "-":
+        return sys.stdin.read()
+    path = Path(a.prompt_file)
+    if not path.is_file():
+        raise ValueError(f"--prompt-file {path}: no such file")
+    return path.read_text(encoding="utf-8")
+
+
+def cmd_generate(a: argparse.Namespace) -> None:
     from ref_impl.engine import chat
-    from ref_impl.engine.checkpoint import load, weight_types
-    from ref_impl.engine.compose import Techniques, check_files, generate
-    from ref_impl.engine.generate import Sampler
+    from ref_impl.engine.compose import check_files, generate
     from ref_impl.engine.mtp import load_heads
+    from ref_impl.kernels.loading import LoadOptions, load
 
     # every refusal before any weight is read: the switches alone, then the files' metadata
-    sampler = Sampler(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
     if a.draft and a.mtp:
         raise ValueError("--draft and --mtp are two proposers for one verification: choose one")
     if a.system is not None and not a.chat:
         raise ValueError("--system sets the system message of a chat: add --chat (the file's chat template "
                          "then lays out the system message and the --prompt)")
-    techniques = Techniques(kv=a.kv, fused=a.kv_fused, speculate="draft" if a.draft else "mtp" if a.mtp else None,
-                            gamma=a.gamma, pipeline=not a.sync, compiled=a.compile, stages=a.pipeline)
-    if a.kernels == "on" and techniques.stages > 1:
-        raise ValueError("--kernels on patches the model of one process; the --pipeline stages run MLX's own "
-                         "operations")
-    if a.kernels == "on" and not kernels.on_cuda():
-        raise ValueError(f"--kernels on: our GEMV kernels need MLX's CUDA backend; this is {mx.default_device()}")
-    check_files(a.model, a.draft, a.mtp)
-    if a.chat:  # the template renders before any weight is read: a file without one is refused here
-        with gguf.read(a.model) as f:
-            text = chat.chat_prompt(f.metadata, a.model, a.prompt, a.system)
-    # MLX's quantized matmuls pay off on a GPU; on the CPU its float32 BLAS path is faster (see k-quants)
-    quantized = a.weights == "native" or (a.weights == "auto" and mx.default_device() != mx.cpu)
-    if techniques.stages > 1:
-        return generate_pipeline(a, text if a.chat else a.prompt, quantized)
-    dtype = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16, None: None}[a.dtype]
-    model, tokenizer = load(a.model, dtype, quantized)
-    proposer = load(a.draft, dtype, quantized)[0] if a.draft else load_heads(a.mtp, model, dtype) if a.mtp else None
-    patched = a.kernels != "off" and kernels.on_cuda()
-    if patched:
-        # per matrix shape, the faster of our kernels and MLX's built-in, timed on the model's own weights;
-        # a verification's gamma+1 rows too when speculating
-        rows = (1, a.gamma + 1) if techniques.speculate and a.gamma + 1 <= kernels.MAX_ROWS else (1,)
-        print(kernels.summary(kernels.patch(model, rows=rows, fuse=True)), file=sys.stderr)
-        print(fused_layers(model, techniques.compiled), file=sys.stderr)
+    sampler, techniques = sampler_techniques(a, "draft" if a.draft else "mtp" if a.mtp else None, a.pipeline)
+    options = load_options(a, techniques)
+    prompt = read_prompt(a)
+    with gguf.read(a.model) as f:                   # opened once: metadata checks, then the weights
+        check_files(f.metadata, a.model, a.draft, a.mtp)
+        text = chat.chat_prompt(f.metadata, a.model, prompt, a.system) if a.chat else prompt
+        if techniques.stages > 1:
+            return generate_pipeline(a, text, options.quantized, techniques.prefill_chunk)
+        loaded = load(f, options)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    if a.draft:
+        with gguf.read(a.draft) as f:
+            proposer = load(f, LoadOptions(a.weights, "off", a.dtype), tokenizer=False).model
+    else:
+        proposer = load_heads(a.mtp, model, model.norm.weight.dtype) if a.mtp else None
+    for line in loaded.report:
+        print(line, file=sys.stderr)
     if not a.chat:  # a continuation is shown after its prompt; a chat shows the reply alone
-        sys.stdout.write(a.prompt)
-    prompt = chat.encode(tokenizer, text) if a.chat else a.prompt
-    g = generate(model, tokenizer, prompt, a.max_tokens, sampler, techniques, proposer,
-                 on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+        sys.stdout.write(prompt)
+    g = generate(model, tokenizer, chat.encode(tokenizer, text) if a.chat else prompt, a.max_tokens, sampler,
+                 techniques, proposer, on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     print(flush=True)
-    held = "MLX quantized" if quantized else str(model.norm.weight.dtype).split(".")[-1]
-    print(f"weights {weight_types(a.model)} as {held}, kernels {'patched' if patched else 'off'}, {g.summary()}",
-          file=sys.stderr)
+    print(f"{loaded.describe()}, {g.summary()}", file=sys.stderr)
 
 
-def generate_pipeline(a: argparse.Namespace, prompt: str, quantized: bool) -> None:
+def generate_pipeline(a: argparse.Namespace, prompt: str, quantized: bool, chunk: int) -> None:
     """generate --pipeline N: the layers split over N processes on this host (engine/pipeline.py), which
     talk through mx.distributed's ring backend over loopback TCP; the same text, and one summary line."""
     from ref_impl.engine import pipeline
@@ -98,10 +120,10 @@ def generate_pipeline(a: argparse.Namespace, prompt: str, quantized: bool) -> No
 
     config = pipeline.PipelineConfig(a.model, a.pipeline, prompt, a.max_tokens, a.temp, a.top_k, a.top_p, a.seed,
                                      a.kv, a.kv_fused, "native" if quantized else "float", a.dtype, a.chat,
-                                     port=a.pipeline_port, timeout_s=a.pipeline_timeout)
+                                     port=a.pipeline_port, timeout_s=a.pipeline_timeout, prefill_chunk=chunk)
     pipeline.check(config)           # more stages than layers, a port in use: refused before the prompt shows
     if not a.chat:
-        sys.stdout.write(a.prompt)
+        sys.stdout.write(prompt)
     run = pipeline.generate(config, on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     print(flush=True)
     stages = ", ".join(f"{s}: layers {r.start}-{r.stop - 1}" for s, r in enumerate(run.spans))
@@ -109,20 +131,59 @@ def generate_pipeline(a: argparse.Namespace, prompt: str, quantized: bool) -> No
           f"({run.link_bytes_per_token()} link bytes per token); {run.summary}", file=sys.stderr)
 
 
-def fused_layers(model, compiled: bool) -> str:
-    """Run decode through the fused decoder layers where a measurement at load finds them faster; the line
-    that says what was chosen and why."""
-    from ref_impl.kernels import fusedlayer
+CHAT_HELP = "/reset: start over; /system TEXT: set the system message; /exit (or Ctrl-D): quit; Ctrl-C: stop an answer"
 
-    if compiled:
-        return "fused layers: off (--compile replays one traced graph of MLX's own operations)"
-    left = fusedlayer.fuse(model)
-    if len(left) == len(model.layers):
-        return f"fused layers: none ({next(iter(left.values()))})"
-    on, ms = fusedlayer.choose(model)
-    return (f"fused layers: {'on' if on else 'off'} for {len(model.layers) - len(left)} of {len(model.layers)} "
-            f"layers (decode {ms['fused']:.2f} ms/token fused, {ms['unfused']:.2f} unfused)"
-            + "".join(f"; layer {i}: {why}" for i, why in list(left.items())[:3]))
+
+def cmd_chat(a: argparse.Namespace) -> None:
+    from ref_impl.engine.chat import chat_template
+    from ref_impl.engine.conversation import Conversation
+    from ref_impl.kernels.loading import load
+
+    sampler, techniques = sampler_techniques(a)
+    options = load_options(a, techniques)
+    with gguf.read(a.model) as f:                   # opened once: the template checked, then the weights
+        chat_template(f.metadata, a.model)
+        loaded = load(f, options)
+    for line in loaded.report:
+        print(line, file=sys.stderr)
+    conv = Conversation(loaded.model, loaded.tokenizer, loaded.metadata, a.model, techniques, sampler, a.max_tokens,
+                        a.context, a.system)
+    print(f"{loaded.describe()}; context {conv.context} positions, {techniques.describe()}\n{CHAT_HELP}",
+          file=sys.stderr)
+    converse(conv, sys.stdin.isatty())
+
+
+def converse(conv, interactive: bool) -> None:
+    """The chat loop: a line in, the answer streamed out, the turn's summary on stderr; commands start with /."""
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            return
+        except KeyboardInterrupt:                   # at the prompt: a fresh line, as a shell does
+            print(file=sys.stderr)
+            continue
+        command, _, rest = line.strip().partition(" ")
+        if command == "/exit":
+            return
+        if command == "/reset":
+            conv.reset()
+            print("(conversation reset)", file=sys.stderr)
+        elif command == "/system":
+            conv.system = rest.strip() or None
+            print(f"(system message {'set' if conv.system else 'removed'}; the turns so far are kept)", file=sys.stderr)
+        elif command.startswith("/"):
+            print(f"unknown command {command}: {CHAT_HELP}", file=sys.stderr)
+        elif line.strip():
+            try:
+                reply = conv.say(line, on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+            except ValueError as e:                 # a message too long for the context: refused, one line
+                print(" ".join(str(e).split()), file=sys.stderr)
+                continue
+            print(flush=True)
+            for note in (reply.notice, "(stopped)" if reply.interrupted else "", reply.generation.summary()):
+                if note:
+                    print(note, file=sys.stderr)
 
 
 def cmd_inspect(a: argparse.Namespace) -> None:
@@ -302,40 +363,50 @@ def add_bench(sub) -> None:
     b.set_defaults(run=cmd_bench)
 
 
+def add_decoder(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    """The flags generate and chat share: the file, sampling, how weights are held, the cache, the loop."""
+    p.add_argument("--model", required=True,
+                   help="a llama, qwen2 or qwen3 GGUF file, whatever its name (an Ollama blob has no extension)")
+    p.add_argument("--system", metavar="TEXT", help="the system message of a chat (generate: with --chat)")
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens per answer at most")
+    p.add_argument("--temp", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="default: float32 on CPU, float16 on GPU")
+    p.add_argument("--sync", action="store_true", help="wait for each token (no async_eval pipelining)")
+    p.add_argument("--weights", choices=["auto", "native", "float"], default="auto",
+                   help="quantized tensors as MLX quantized matrices (native) or expanded to floats; "
+                        "auto: native on a GPU, float on the CPU")
+    p.add_argument("--kernels", choices=["auto", "on", "off"], default="auto",
+                   help="our CUDA kernels (ref_impl/kernels/: GEMVs, and whole decoder layers fused) where a "
+                        "measurement at load finds them faster than MLX's built-ins; auto: on MLX's CUDA backend "
+                        "only; on: fail elsewhere")
+    p.add_argument("--compile", action="store_true",
+                   help="trace one decode step with mx.compile and replay it at every position (less host time "
+                        "per token where the host limits decode)")
+    p.add_argument("--kv", default="float", metavar="SCHEME",
+                   help="the KV cache: float, or a quantized scheme (sym8, sym4, affine8, affine4-g32, kivi4, "
+                        "outlier4, ...: the KV-cache chapter's)")
+    p.add_argument("--kv-fused", action="store_true",
+                   help="attention straight on the cache's codes (affine and outlier schemes), not a dequantized copy")
+    p.add_argument("--prefill-chunk", type=int, metavar="N",
+                   help="prompt positions per prefill pass: peak memory beyond the weights and cache stays that of "
+                        "N positions, however long the prompt (default: engine/generate.py's PREFILL_CHUNK, 512)")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ref_impl", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="continue a prompt with a GGUF model")
-    g.add_argument("--model", required=True,
-                   help="a llama-architecture GGUF file, whatever its name (an Ollama blob has no extension)")
-    g.add_argument("--prompt", required=True, help="the text to continue; with --chat, the user's message")
+    text = g.add_mutually_exclusive_group(required=True)
+    text.add_argument("--prompt", help="the text to continue; with --chat, the user's message")
+    text.add_argument("--prompt-file", metavar="PATH", help="the prompt's text from a file (- : standard input)")
     g.add_argument("--chat", action="store_true",
                    help="lay the prompt out with the file's chat template (tokenizer.chat_template) and reply")
-    g.add_argument("--system", metavar="TEXT", help="with --chat: the system message")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temp", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
-                   help="default: float32 on CPU, float16 on GPU")
-    g.add_argument("--sync", action="store_true", help="wait for each token (no async_eval pipelining)")
-    g.add_argument("--weights", choices=["auto", "native", "float"], default="auto",
-                   help="quantized tensors as MLX quantized matrices (native) or expanded to floats; "
-                        "auto: native on a GPU, float on the CPU")
-    g.add_argument("--kernels", choices=["auto", "on", "off"], default="auto",
-                   help="our CUDA kernels (ref_impl/kernels/: GEMVs, and whole decoder layers fused) where a "
-                        "measurement at load finds them faster than MLX's built-ins; auto: on MLX's CUDA backend "
-                        "only; on: fail elsewhere")
-    g.add_argument("--compile", action="store_true",
-                   help="trace one decode step with mx.compile and replay it at every position (less host time "
-                        "per token where the host limits decode)")
-    g.add_argument("--kv", default="float", metavar="SCHEME",
-                   help="the KV cache: float, or a quantized scheme (sym8, sym4, affine8, affine4-g32, kivi4, "
-                        "outlier4, ...: the KV-cache chapter's)")
-    g.add_argument("--kv-fused", action="store_true",
-                   help="attention straight on the cache's codes (affine and outlier schemes), not a dequantized copy")
+    add_decoder(g, max_tokens=128)
     g.add_argument("--draft", metavar="MODEL.gguf",
                    help="speculative decoding: a small model with the same vocabulary proposes, this one verifies")
     g.add_argument("--mtp", metavar="HEADS.gguf",
@@ -349,6 +420,13 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-timeout", type=float, default=120.0, metavar="SECONDS",
                    help="with --pipeline: stop every stage when none has printed anything for this long")
     g.set_defaults(run=cmd_generate)
+
+    c = sub.add_parser("chat", help="a conversation in the terminal with a chat model's GGUF file (KV cache kept "
+                                    "between turns)")
+    add_decoder(c, max_tokens=512)
+    c.add_argument("--context", type=int, metavar="N",
+                   help="positions the conversation's cache holds (default: 4,096, or the model's context if shorter)")
+    c.set_defaults(run=cmd_chat)
 
     i = sub.add_parser("inspect", help="print a GGUF file's metadata and tensor table, and whether it runs here")
     i.add_argument("path")

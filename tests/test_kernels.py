@@ -553,7 +553,7 @@ def test_fused_layer_timing_flow_with_stand_in_kernels():
 def test_generate_says_what_it_chose_for_the_fused_layers():
     """generate --kernels prints one line on the fused layers: off under --compile, a timed choice where layers
     fuse (stand-ins timed here), and the first reason where none can."""
-    from ref_impl.__main__ import fused_layers
+    from ref_impl.kernels.loading import fused_layers
 
     with stand_in_kernels():
         model = layer_model(256, 8, 2, 512, "f16", layers=2)

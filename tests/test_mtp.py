@@ -209,5 +209,5 @@ def test_bad_heads_files_name_the_problem(tmp_path):
     gguf.write(tmp_path / "llama.gguf", {**meta, "general.architecture": "llama"}, tensors)
     with pytest.raises(ValueError, match="not an MTP heads file"):
         mtp.load_heads(tmp_path / "llama.gguf")
-    with pytest.raises(ValueError, match="gamma must be between 1 and the number of heads"):
+    with pytest.raises(ValueError, match="gamma 3 needs as many MTP heads"):
         mtp.mtp_decode(tiny_model(), mtp.MTPHeads(32, 2), [1, 2], 4, gamma=3)

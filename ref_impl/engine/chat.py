@@ -85,15 +85,20 @@ def render(template: str, messages: Sequence[dict[str, str]], bos_token: str = "
         raise ValueError(f"the chat template failed: {type(e).__name__}: {e}") from None
 
 
-def chat_prompt(metadata: dict[str, Any], source: str, user: str, system: str | None = None) -> str:
-    """The prompt text of a one-turn chat with the model whose GGUF metadata is `metadata` (file `source`)."""
+def special_pieces(metadata: dict[str, Any]) -> tuple[str, str]:
+    """The vocabulary's BOS and EOS pieces, as a template writes them ("" where the file names none)."""
     tokens = metadata.get("tokenizer.ggml.tokens", [])
 
     def piece(key: str) -> str:
         i = metadata.get(f"tokenizer.ggml.{key}_token_id")
         return str(tokens[i]) if isinstance(i, int) and 0 <= i < len(tokens) else ""
 
-    return render(chat_template(metadata, source), conversation(user, system), piece("bos"), piece("eos"))
+    return piece("bos"), piece("eos")
+
+
+def chat_prompt(metadata: dict[str, Any], source: str, user: str, system: str | None = None) -> str:
+    """The prompt text of a one-turn chat with the model whose GGUF metadata is `metadata` (file `source`)."""
+    return render(chat_template(metadata, source), conversation(user, system), *special_pieces(metadata))
 
 
 def encode(tokenizer: Tokenizer, text: str) -> list[int]:

@@ -168,8 +168,12 @@ def simulate(path: str | os.PathLike, type_name: str, select: Callable[[str], bo
     return model
 
 
+def matrix_types(f: gguf.GGUFFile) -> str:
+    """The GGML types of an open file's matrices, most common first, e.g. "Q4_K/Q6_K" (what a run reports)."""
+    return "/".join(t for t, _ in Counter(t.type.name for t in f.tensors.values() if len(t.shape) == 2).most_common())
+
+
 def weight_types(path: str | os.PathLike) -> str:
-    """The GGML types of a file's matrices, most common first, e.g. "Q4_K/Q6_K" (what a run reports)."""
+    """matrix_types of the file at `path`."""
     with gguf.read(path) as f:
-        return "/".join(t for t, _ in Counter(t.type.name for t in f.tensors.values() if len(t.shape) == 2)
-                        .most_common())
+        return matrix_types(f)

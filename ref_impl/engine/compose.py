@@ -51,12 +51,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ref_impl.engine.generate import Sampler, generate_step
+from ref_impl.engine.generate import PREFILL_CHUNK, Sampler, check_chunk, check_room, generate_step
 from ref_impl.engine.kvcache import KVCache
 from ref_impl.engine.kvquant import FLOAT, FUSED, FUSED_CLASSES, cache_class
 from ref_impl.engine.model import Model
 from ref_impl.engine.mtp import MTPHeads, check_heads, mtp_generate
-from ref_impl.engine.speculative import Drafter, SpeculativeStep, speculative_generate
+from ref_impl.engine.speculative import Drafter, SpeculativeStep, check_gamma, speculative_generate
 from ref_impl.engine.tokenizer import Tokenizer
 from ref_impl.formats import gguf
 from ref_impl.platform.timing import clock
@@ -75,6 +75,7 @@ class Techniques:
     pipeline: bool = True           # plain decoding: queue step t+1 (async_eval) before reading step t
     compiled: bool = False          # plain decoding: one mx.compile'd step over the float cache
     stages: int = 1                 # processes the layers are split across (pipeline.py); 1: this one
+    prefill_chunk: int = PREFILL_CHUNK   # prompt positions per prefill pass (generate.prefill_hidden)
 
     def __post_init__(self):
         cache = cache_class(self.kv)                    # an unknown scheme raises, naming the known ones
@@ -83,8 +84,8 @@ class Techniques:
                              f"only): fused schemes are {', '.join(FUSED)} and any affine or outlier family")
         if self.speculate not in (None, *SPECULATORS):
             raise ValueError(f"speculate must be one of {', '.join(SPECULATORS)} or None, got {self.speculate!r}")
-        if self.gamma < 1:
-            raise ValueError(f"gamma must be at least 1, got {self.gamma}")
+        check_gamma(self.gamma)
+        check_chunk(self.prefill_chunk)
         if self.compiled and cache is not KVCache:
             raise ValueError(f"a compiled step traces the float cache's buffers; --compile cannot decode with "
                              f"--kv {self.kv}")
@@ -120,13 +121,13 @@ class Techniques:
         return f"kv {kv}, {loop}"
 
 
-def check_files(model: str | Path, draft: str | Path | None = None, heads: str | Path | None = None) -> None:
-    """Refuse, from the files' metadata alone (no weights read), a draft model whose vocabulary is not the
-    model's, or MTP heads trained on another model: a ValueError naming both files."""
-    with gguf.read(model) as f:
-        arch = f.metadata.get("general.architecture")
-        tokens, width = f.metadata.get("tokenizer.ggml.tokens"), f.metadata.get(f"{arch}.embedding_length")
-        name = f.metadata.get("general.name")
+def check_files(metadata: dict, model: str | Path, draft: str | Path | None = None,
+                heads: str | Path | None = None) -> None:
+    """Refuse, from the files' metadata alone (no weights read; `metadata` is the model file's), a draft model
+    whose vocabulary is not the model's, or MTP heads trained on another model: a ValueError naming both files."""
+    arch = metadata.get("general.architecture")
+    tokens, width = metadata.get("tokenizer.ggml.tokens"), metadata.get(f"{arch}.embedding_length")
+    name = metadata.get("general.name")
     if draft is not None:
         with gguf.read(draft) as f:
             theirs = f.metadata.get("tokenizer.ggml.tokens")
@@ -157,8 +158,7 @@ def check(model: Model, techniques: Techniques, proposer: Model | MTPHeads | Non
                          "a draft must share the model's vocabulary")
     if isinstance(proposer, MTPHeads):
         check_heads(proposer, model)
-        if techniques.gamma > proposer.k:
-            raise ValueError(f"gamma {techniques.gamma} needs as many MTP heads; the heads file has {proposer.k}")
+        check_gamma(techniques.gamma, proposer.k)
 
 
 def steps(model: Model, prompt: list[int], sampler: Sampler, techniques: Techniques, size: int,
@@ -169,10 +169,11 @@ def steps(model: Model, prompt: list[int], sampler: Sampler, techniques: Techniq
     cache = model.make_cache(size, scheme=t.kv, fused=t.fused)
     if t.speculate == "draft":
         drafter = Drafter(proposer, proposer.make_cache(size), sampler)
-        return speculative_generate(model, drafter, prompt, sampler, cache, t.gamma)
+        return speculative_generate(model, drafter, prompt, sampler, cache, t.gamma, chunk=t.prefill_chunk)
     if t.speculate == "mtp":
-        return mtp_generate(model, proposer, prompt, sampler, cache, t.gamma)
-    return (SpeculativeStep([y], 0, 0) for y in generate_step(model, prompt, sampler, cache, t.pipeline, t.compiled))
+        return mtp_generate(model, proposer, prompt, sampler, cache, t.gamma, chunk=t.prefill_chunk)
+    return (SpeculativeStep([y], 0, 0)
+            for y in generate_step(model, prompt, sampler, cache, t.pipeline, t.compiled, t.prefill_chunk))
 
 
 @dataclass
@@ -251,12 +252,8 @@ def generate(model: Model, tokenizer: Tokenizer, prompt: str | list[int], max_to
 
 def check_context(prompt_len: int, max_tokens: int, techniques: Techniques, context: int) -> None:
     """Refuse max_tokens < 1, or a generation whose cache would outgrow the model's context (ValueError)."""
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-    if techniques.cache_size(prompt_len, max_tokens) > context:
-        extra = f" + gamma ({techniques.gamma})" if techniques.speculate else ""
-        raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}){extra} exceeds the "
-                         f"model's context length ({context})")
+    reserve = techniques.cache_size(prompt_len, max_tokens) - prompt_len - max_tokens
+    check_room(prompt_len, max_tokens, context, reserve, "gamma")
 
 
 def follow(model_steps: Iterator[SpeculativeStep], out: Generation, tokenizer: Tokenizer | None,

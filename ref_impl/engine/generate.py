@@ -84,13 +84,31 @@ class Sampler:
 PREFILL_CHUNK = 512   # prompt positions a prefill pass runs at once
 
 
+def check_chunk(chunk: int) -> None:
+    """Refuse a prefill chunk of fewer than one position (ValueError)."""
+    if chunk < 1:
+        raise ValueError(f"the prefill chunk must be at least 1 position, got {chunk}")
+
+
+def check_room(prompt_len: int, max_tokens: int, context: int, reserve: int = 0, why: str = "") -> None:
+    """Refuse max_tokens < 1, or a generation whose cache (prompt + max_tokens + reserve positions, the
+    reserve being what a verification writes past the tokens, named by `why`) outgrows `context`."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    if prompt_len + max_tokens + reserve > context:
+        extra = f" + {why} ({reserve})" if reserve else ""
+        raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}){extra} exceeds the "
+                         f"model's context length ({context})")
+
+
 def prefill_hidden(model: Model, tokens: mx.array, cache: list[Cache], chunk: int = PREFILL_CHUNK) -> mx.array:
     """Run the prompt (B, L) into the cache `chunk` positions at a time; return the last position's hidden
     state (B, hidden_size). Each chunk's keys and values are computed into the cache before the next chunk
     is built, so a pass holds activations and attention scores for `chunk` positions (chunk x context scores
     a head), whatever the prompt's length."""
-    if chunk < 1:
-        raise ValueError(f"the prefill chunk must be at least 1 position, got {chunk}")
+    if tokens.shape[1] == 0:
+        raise ValueError("the prompt is empty: give at least one token (e.g. BOS)")
+    check_chunk(chunk)
     for start in range(0, tokens.shape[1], chunk):
         h = model.hidden(tokens[:, start:start + chunk], cache)
         if start + chunk < tokens.shape[1]:
@@ -143,13 +161,11 @@ def decoder(model: Model, cache: list[Cache], compiled: bool = False) -> Callabl
 
 
 def generate_step(model: Model, prompt: list[int], sampler: Sampler, cache: list[Cache],
-                  pipeline: bool = False, compiled: bool = False) -> Iterator[int]:
+                  pipeline: bool = False, compiled: bool = False, chunk: int = PREFILL_CHUNK) -> Iterator[int]:
     """Yield token ids one at a time, forever; the caller stops it. compiled: decode through
-    compiled_decoder (the prompt itself runs uncompiled)."""
-    if not prompt:
-        raise ValueError("the prompt is empty: give at least one token (e.g. BOS)")
+    compiled_decoder (the prompt itself runs uncompiled, `chunk` positions a pass)."""
     step = decoder(model, cache, compiled)
-    y = sampler(prefill(model, mx.array([prompt]), cache))
+    y = sampler(prefill(model, mx.array([prompt], dtype=mx.int32), cache, chunk))
     mx.async_eval(y)
     while True:
         next_y = sampler(step(y))

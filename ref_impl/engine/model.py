@@ -350,6 +350,9 @@ class Model(nn.Module):
                            **params)
 
 
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}   # the dtypes a model runs in, by name
+
+
 def default_dtype() -> mx.Dtype:
     """float32 on the CPU (MLX's CPU half-precision matmuls are slow), float16 on a GPU."""
     return mx.float32 if mx.default_device() == mx.cpu else mx.float16

@@ -34,10 +34,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ref_impl.engine.generate import Sampler, prefill_hidden
+from ref_impl.engine.generate import PREFILL_CHUNK, Sampler, check_room, prefill_hidden
 from ref_impl.engine.kvcache import KVCache
 from ref_impl.engine.model import Model, default_dtype
-from ref_impl.engine.speculative import SpeculativeStep, rewind, take, verify
+from ref_impl.engine.speculative import SpeculativeStep, check_gamma, rewind, take, verify
 from ref_impl.formats import gguf
 
 ARCHITECTURE = "mtp"
@@ -142,7 +142,8 @@ def mtp_step(model: Model, heads: MTPHeads, cache: list[KVCache], y: mx.array, h
 
 
 def mtp_generate(model: Model, heads: MTPHeads, prompt: list[int], sampler: Sampler, cache: list[KVCache],
-                 gamma: int = 3, rng: np.random.Generator | None = None) -> Iterator[SpeculativeStep]:
+                 gamma: int = 3, rng: np.random.Generator | None = None,
+                 chunk: int = PREFILL_CHUNK) -> Iterator[SpeculativeStep]:
     """Yield one SpeculativeStep per model forward, forever; the caller stops it.
 
     Args:
@@ -152,17 +153,15 @@ def mtp_generate(model: Model, heads: MTPHeads, prompt: list[int], sampler: Samp
         sampler: the sampling settings, for the model and the heads alike. Its seed also seeds
             the acceptance draws unless rng is given.
         cache: an empty cache; each step may write γ+1 positions past the emitted tokens, then trims.
+        chunk: prompt positions per prefill pass (generate.prefill_hidden).
 
     The first step is the prefill's token (proposed 0). The emitted tokens are distributed as plain
     decoding of `model` with `sampler`, and with temperature 0 they are exactly its tokens.
     """
     check_heads(heads, model)
-    if not prompt:
-        raise ValueError("the prompt is empty: give at least one token (e.g. BOS)")
-    if not 1 <= gamma <= heads.k:
-        raise ValueError(f"gamma must be between 1 and the number of heads ({heads.k}), got {gamma}")
+    check_gamma(gamma, heads.k)
     rng = rng if rng is not None else np.random.default_rng(sampler.seed)
-    h = prefill_hidden(model, mx.array([prompt]), cache)[0]             # (d,), the prompt in chunks
+    h = prefill_hidden(model, mx.array([prompt], dtype=mx.int32), cache, chunk)[0]   # (d,), the prompt in chunks
     y = sampler(model.logits(h[None]))
     yield SpeculativeStep([y.item()], 0, 0)
     while True:
@@ -174,8 +173,6 @@ def mtp_generate(model: Model, heads: MTPHeads, prompt: list[int], sampler: Samp
 def mtp_decode(model: Model, heads: MTPHeads, prompt: list[int], max_tokens: int, gamma: int = 3,
                sampler: Sampler | None = None) -> tuple[list[int], list[SpeculativeStep]]:
     """Generate max_tokens tokens after the prompt, drafting with the heads; return them and the steps."""
+    check_room(len(prompt), max_tokens, model.args.max_position_embeddings, gamma, "gamma")
     size = len(prompt) + max_tokens + gamma       # the last step may write γ+1 positions, then trim
-    if size > model.args.max_position_embeddings:
-        raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) + gamma ({gamma}) "
-                         f"exceeds the model's context length ({model.args.max_position_embeddings})")
     return take(mtp_generate(model, heads, prompt, sampler or Sampler(), model.make_cache(size), gamma), max_tokens)

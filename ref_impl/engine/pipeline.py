@@ -15,7 +15,10 @@ needs: s -> s+1, and the last stage -> 0.
 
 Protocol, per step and hop s -> s+1: a header (one int32: the positions that follow; 0 stops the stage,
 which passes the 0 on and exits), then the hidden states (1, L, d) in the model's dtype, the two as one
-message of bytes in decode steps (L = 1); from the last stage to the first, the token (one int32). A
+message of bytes in decode steps (L = 1); from the last stage to the first, the token (one int32). The
+prompt goes through in chunks of config.prefill_chunk positions, each its own header and states; its
+header counts the prompt's positions still to come, this chunk's included, so a stage sizes its caches
+at the first and knows the last (the only one the last stage samples after) without another message. A
 decoded token puts (N-1)(4 + d x dtype bytes) + 4 bytes on the links (interconnect.pipeline_link_bytes);
 MLX's ring writes an array's bytes with no framing of its own, which the kernel's counters confirm
 (platform/tcp.py, recorded by `bench --pipeline`). The token comes back to the first stage alone, over
@@ -51,10 +54,10 @@ import numpy as np
 from ref_impl.engine import chat
 from ref_impl.engine.checkpoint import load, model_args
 from ref_impl.engine.compose import Generation, Techniques, check_context, follow
-from ref_impl.engine.generate import Sampler
+from ref_impl.engine.generate import PREFILL_CHUNK, Sampler
 from ref_impl.engine.kvquant import FLOAT, make_caches
 from ref_impl.engine.launch import Ranks, Ring, check_ports, emit, free_ports
-from ref_impl.engine.model import Model, ModelArgs, default_dtype
+from ref_impl.engine.model import DTYPES, Model, ModelArgs, default_dtype
 from ref_impl.engine.random import args_for, random_model
 from ref_impl.engine.speculative import SpeculativeStep
 from ref_impl.formats import gguf
@@ -62,9 +65,6 @@ from ref_impl.platform.tcp import Connections
 from ref_impl.platform.timing import clock, wall
 from ref_impl.theory.interconnect import HEADER_BYTES, pipeline_link_bytes
 from ref_impl.theory.shapes import PUBLIC, STAND_INS
-
-DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-
 
 @dataclass(frozen=True)
 class PipelineConfig:
@@ -88,6 +88,7 @@ class PipelineConfig:
     port: int = 0                       # rank r listens on port + r; 0: ports the OS reports free
     timeout_s: float = 120.0            # a pipeline silent this long is stopped (engine/launch.py)
     context: int = 4096                 # a random model's context length
+    prefill_chunk: int = PREFILL_CHUNK  # prompt positions a stage runs and passes on at once
 
     def __post_init__(self):
         if isinstance(self.prompt, list):
@@ -106,7 +107,8 @@ class PipelineConfig:
 
     def techniques(self) -> Techniques:
         """The decode loop's switches this run uses (they refuse what a pipeline cannot run)."""
-        return Techniques(kv=self.kv, fused=self.fused, pipeline=False, stages=self.stages)
+        return Techniques(kv=self.kv, fused=self.fused, pipeline=False, stages=self.stages,
+                          prefill_chunk=self.prefill_chunk)
 
     def sampler(self) -> Sampler:
         """The last stage's sampler (seeded: every run of a config samples the same tokens)."""
@@ -195,39 +197,45 @@ class Stage:
         self.caches = make_caches(t.kv, len(self.span), 1, a.num_key_value_heads, a.head_dim, size, self.dtype,
                                   fused=t.fused)
 
-    def forward(self, x: mx.array) -> mx.array:
+    def forward(self, x: mx.array, sample: bool = True) -> mx.array:
         """This stage's share of Model.__call__: token ids (first stage) or hidden states (1, L, d) in, hidden
-        states out, or on the last stage the sampled token (1,)."""
+        states out, or on the last stage the token sampled after the last position (1,); a prompt's earlier
+        chunks (sample False) stop at the caches there. The LM head reads one position, never L."""
         m = self.model
         h = m.embed_tokens(x) if self.first else x
         h = m.blocks(h, self.caches, self.span.start, self.span.stop)
-        return self.sampler(m.logits(m.norm(h))[:, -1, :]) if self.last else h
+        if not self.last:
+            return h
+        return self.sampler(m.logits(m.norm(h[:, -1, :]))) if sample else h
 
     def send(self, x: mx.array, dst: int) -> None:
         """Send one array to a neighbour (evaluated: it has left when this returns), counting its bytes."""
         mx.eval(mx.distributed.send(x, dst))
         self.sent_bytes += x.nbytes
 
-    def send_hidden(self, h: mx.array | None, prefill: bool = False) -> None:
-        """To the next stage: the prompt's hidden states as a header (their positions), then the states; a
-        decode step's as one message, the 4-byte header (1) and then the state's bytes; a stop (h None) as a
-        decode step's message with header 0. One message per decode hop: one eval, one wake-up, each side."""
+    def send_hidden(self, h: mx.array | None, remaining: int = 0) -> None:
+        """To the next stage: a prompt chunk's hidden states as a header (the prompt's positions still to come,
+        `remaining`, this chunk's included), then the states; a decode step's as one message, the 4-byte
+        header (1) and then the state's bytes; a stop (h None) as a decode step's message with header 0. One
+        message per decode hop: one eval, one wake-up, each side."""
         nxt = self.rank + 1
-        if prefill:
-            self.send(mx.array([h.shape[1]], dtype=mx.int32), nxt)
+        if remaining:
+            self.send(mx.array([remaining], dtype=mx.int32), nxt)
             self.send(h.astype(self.dtype), nxt)
             return
         header = mx.array([0 if h is None else 1], dtype=mx.int32)
         body = mx.zeros((self.model.args.hidden_size,), self.dtype) if h is None else h.astype(self.dtype)
         self.send(mx.concatenate([header.view(mx.uint8), body.reshape(-1).view(mx.uint8)]), nxt)
 
-    def recv_hidden(self, prefill: bool = False) -> mx.array | None:
-        """The previous stage's hidden states (1, L, d) as send_hidden sent them, or None for a stop."""
+    def recv_hidden(self, prefill: bool = False) -> tuple[mx.array | None, int]:
+        """The previous stage's hidden states (1, L, d) as send_hidden sent them, or None for a stop; and, for
+        a prompt chunk, the prompt's positions still to come, this chunk's included (0 otherwise)."""
         prev, d = self.rank - 1, self.model.args.hidden_size
         self.wait()
+        n = 0
         if prefill:
             n = int(mx.distributed.recv((1,), mx.int32, prev).item())   # a stop's header reads 0 here too
-            h = mx.distributed.recv((1, n, d), self.dtype, prev) if n else None
+            h = mx.distributed.recv((1, min(n, self.config.prefill_chunk), d), self.dtype, prev) if n else None
         else:
             msg = mx.distributed.recv((HEADER_BYTES + d * self.dtype.size,), mx.uint8, prev)
             mx.eval(msg)
@@ -235,7 +243,7 @@ class Stage:
             h = msg[HEADER_BYTES:].view(self.dtype).reshape(1, 1, d) if n else None
         if h is not None:
             mx.eval(h)
-        return h
+        return h, n
 
     def wait(self) -> None:
         """Sleep in the kernel until the next message starts to arrive, then let MLX's ring read it: its
@@ -254,50 +262,58 @@ class Stage:
 
 def first_steps(stage: Stage, prompt: list[int]) -> Iterator[SpeculativeStep]:
     """The first stage's decode loop, one token per step, for compose.follow: embed and run its layers,
-    pass the hidden state on, wait for the token to come back around the ring (N = 1: sample it here)."""
-    x, step = mx.array([prompt]), 0
+    pass the hidden state on, wait for the token to come back around the ring (N = 1: sample it here).
+    The first step runs the prompt chunk by chunk (its times span them all)."""
+    chunk = stage.config.prefill_chunk
+    pieces, step = [prompt[i:i + chunk] for i in range(0, len(prompt), chunk)], 0
     stage.start(len(prompt))
     while True:
         t_in = wall()
-        out = stage.forward(x)
-        mx.eval(out)
+        for k, piece in enumerate(pieces):
+            out = stage.forward(mx.array([piece], dtype=mx.int32), sample=k == len(pieces) - 1)
+            mx.eval(out)
+            if not stage.last:
+                stage.send_hidden(out, remaining=len(prompt) - k * chunk if step == 0 else 0)
         t_done = wall()
         if stage.last:                                      # one stage: the token is already here
             y = int(out.item())
-            stage.stamp(step, x.shape[1], t_in=t_in, t_done=t_done, t_sent=t_done, t_back=t_done)
+            stage.stamp(step, len(prompt) if step == 0 else 1, t_in=t_in, t_done=t_done, t_sent=t_done,
+                        t_back=t_done)
         else:
-            stage.send_hidden(out, prefill=step == 0)
             t_sent = wall()
             stage.wait()
             y = int(mx.distributed.recv((1,), mx.int32, stage.config.stages - 1).item())
-            stage.stamp(step, x.shape[1], t_in=t_in, t_done=t_done, t_sent=t_sent, t_back=wall())
+            stage.stamp(step, len(prompt) if step == 0 else 1, t_in=t_in, t_done=t_done, t_sent=t_sent,
+                        t_back=wall())
         yield SpeculativeStep([y], 0, 0)
-        x, step = mx.array([[y]]), step + 1
+        pieces, step = [[y]], step + 1
 
 
 def serve(stage: Stage) -> None:
     """A later stage's loop: receive, run its layers, pass the hidden state on (the last stage: send the
     token back to the first), until a stop arrives, which it passes on."""
-    step = 0
+    step, left, begun = 0, -1, {}          # left: the prompt's positions still to come (-1: not yet begun)
     while True:
-        t_wait = wall()
-        h = stage.recv_hidden(prefill=stage.caches is None)
+        begun.setdefault("t_wait", wall())  # a step's first message: the prompt's first chunk, or the token's
+        h, remaining = stage.recv_hidden(prefill=left != 0)
         if h is None:
             if not stage.last:
                 stage.send_hidden(None)
             return
-        t_in = wall()
+        begun.setdefault("t_in", wall())
         if stage.caches is None:
-            stage.start(h.shape[1])
-        out = stage.forward(h)
+            stage.start(remaining)
+        left = remaining - h.shape[1] if remaining else 0
+        out = stage.forward(h, sample=left == 0)
         mx.eval(out)
         t_done = wall()
-        if stage.last:
+        if stage.last and left == 0:
             stage.send(out.astype(mx.int32), 0)
-        else:
-            stage.send_hidden(out, prefill=step == 0)
-        stage.stamp(step, h.shape[1], t_wait=t_wait, t_in=t_in, t_done=t_done, t_sent=wall())
-        step += 1
+        elif not stage.last:
+            stage.send_hidden(out, remaining)
+        if left == 0:                       # the step is done: one stamp, whatever its chunks
+            stage.stamp(step, stage.caches[0].offset if step == 0 else 1, **begun, t_done=t_done, t_sent=wall())
+            step, begun = step + 1, {}
 
 
 def join(config: PipelineConfig) -> int:

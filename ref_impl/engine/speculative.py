@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from ref_impl.engine.generate import Sampler, decode_one_token, prefill
+from ref_impl.engine.generate import PREFILL_CHUNK, Sampler, check_room, decode_one_token, prefill
 from ref_impl.engine.kvcache import Cache
 from ref_impl.engine.model import Model
 
@@ -101,9 +101,10 @@ class Drafter:
     def __init__(self, model: Model, cache: list[Cache], sampler: Sampler):
         self.model, self.cache, self.sampler = model, cache, sampler
 
-    def prefill(self, tokens: mx.array) -> mx.array:
-        """Run the prompt (1, P) into the cache; return the last logits (1, V), not evaluated."""
-        return prefill(self.model, tokens, self.cache)
+    def prefill(self, tokens: mx.array, chunk: int = PREFILL_CHUNK) -> mx.array:
+        """Run the prompt (1, P) into the cache, `chunk` positions a pass; return the last logits (1, V),
+        not evaluated."""
+        return prefill(self.model, tokens, self.cache, chunk)
 
     def pick(self, logits: mx.array) -> tuple[mx.array, mx.array]:
         """The proposal (1,) after logits (1, V), and the distribution (1, V) it was drawn from."""
@@ -137,6 +138,14 @@ class SpeculativeStep:
     proposed: int
     accepted: int
     drafts: list[int] = field(default_factory=list)   # all γ proposals, the rejected ones included
+
+
+def check_gamma(gamma: int, heads: int | None = None) -> None:
+    """Refuse gamma < 1, or (MTP) more drafts than there are heads to propose them (ValueError)."""
+    if gamma < 1:
+        raise ValueError(f"gamma must be at least 1, got {gamma}")
+    if heads is not None and gamma > heads:
+        raise ValueError(f"gamma {gamma} needs as many MTP heads; the heads file has {heads}")
 
 
 def speculative_step(target: Model, drafter: Drafter, target_cache: list[Cache], y: mx.array, gamma: int,
@@ -184,8 +193,8 @@ def take(steps: Iterator[SpeculativeStep], max_tokens: int) -> tuple[list[int], 
 
 
 def speculative_generate(target: Model, drafter: Drafter, prompt: list[int], sampler: Sampler,
-                         target_cache: list[Cache], gamma: int = 4,
-                         rng: np.random.Generator | None = None) -> Iterator[SpeculativeStep]:
+                         target_cache: list[Cache], gamma: int = 4, rng: np.random.Generator | None = None,
+                         chunk: int = PREFILL_CHUNK) -> Iterator[SpeculativeStep]:
     """Yield one SpeculativeStep per target forward, forever; the caller stops it.
 
     Args:
@@ -197,19 +206,17 @@ def speculative_generate(target: Model, drafter: Drafter, prompt: list[int], sam
         target_cache: an empty cache. Each step may write γ+1 positions past the tokens emitted
             so far into either cache before trimming back.
         gamma: drafts proposed per step.
+        chunk: prompt positions per prefill pass (generate.prefill_hidden).
 
     The first step is the prefill's token (proposed 0); both prompts are evaluated before it is
     yielded. The emitted tokens are distributed as plain decoding of `target` with `sampler`,
     and with temperature 0 they are exactly its tokens.
     """
-    if not prompt:
-        raise ValueError("the prompt is empty: give at least one token (e.g. BOS)")
-    if gamma < 1:
-        raise ValueError(f"gamma must be at least 1, got {gamma}")
+    check_gamma(gamma)
     rng = rng if rng is not None else np.random.default_rng(sampler.seed)
-    tokens = mx.array([prompt])
-    y = sampler(prefill(target, tokens, target_cache))
-    mx.eval(y, drafter.prefill(tokens))
+    tokens = mx.array([prompt], dtype=mx.int32)
+    y = sampler(prefill(target, tokens, target_cache, chunk))
+    mx.eval(y, drafter.prefill(tokens, chunk))
     yield SpeculativeStep([y.item()], 0, 0)
     while True:
         step = speculative_step(target, drafter, target_cache, y, gamma, sampler, rng)
@@ -221,10 +228,8 @@ def speculative_decode(target: Model, draft: Model, prompt: list[int], max_token
                        sampler: Sampler | None = None) -> tuple[list[int], list[SpeculativeStep]]:
     """Generate max_tokens tokens after the prompt speculatively; return them and the steps."""
     context = min(target.args.max_position_embeddings, draft.args.max_position_embeddings)
-    size = len(prompt) + max_tokens + gamma       # the last step may write γ+1 positions, then trim
-    if size > context:
-        raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) + gamma ({gamma}) "
-                         f"exceeds the models' context length ({context})")
+    check_room(len(prompt), max_tokens, context, gamma, "gamma")  # the last step may write γ+1 positions, then trim
+    size = len(prompt) + max_tokens + gamma
     sampler = sampler or Sampler()
     return take(speculative_generate(target, Drafter(draft, draft.make_cache(size), sampler), prompt, sampler,
                                      target.make_cache(size), gamma), max_tokens)

@@ -41,6 +41,7 @@ import mlx.core as mx
 import numpy as np
 
 from ref_impl import kernels, viz
+from ref_impl.kernels import loading
 from ref_impl.engine.checkpoint import load, load_model
 from ref_impl.engine.compose import Techniques, steps
 from ref_impl.engine.generate import Sampler
@@ -197,11 +198,10 @@ class Weights:
             self.models.clear()
             gc.collect()
             mx.clear_cache()
-            with gguf.read(self.files[weights]) as f:
-                model = load_model(f, None, quantized=weights != "float")
-            if patched:
-                kernels.patch(model, rows=self.rows, fuse=True)
-            self.models[key] = model
+            options = loading.LoadOptions(weights="float" if weights == "float" else "native",
+                                  kernels="on" if patched else "off", rows=self.rows)
+            with gguf.read(self.files[weights]) as f:      # as generate loads it: kernels and fused layers
+                self.models[key] = loading.load(f, options, tokenizer=False).model
         return self.models[key]
 
 
