@@ -47,7 +47,7 @@ def sampler_techniques(a: argparse.Namespace, speculate: str | None = None, stag
     sampler = Sampler(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
     techniques = Techniques(kv=a.kv, fused=a.kv_fused, speculate=speculate, gamma=getattr(a, "gamma", 4),
                             pipeline=not a.sync, compiled=a.compile, stages=stages,
-                            prefill_chunk=a.prefill_chunk or PREFILL_CHUNK)
+                            prefill_chunk=PREFILL_CHUNK if a.prefill_chunk is None else a.prefill_chunk)
     return sampler, techniques
 
 

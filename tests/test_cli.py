@@ -387,3 +387,20 @@ def test_bench_capstone_quick_writes_the_records_the_chapter_reads(tmp):
     assert {row["kv"] for row in long if row["peer"] is None} == {"f32", "sym8", "affine8-g64", "affine4-g64"}
     ppl = reference("capstone-ppl", "cli-capstone", out).records
     assert len(ppl) == 6 and all(r["value"] > 1 and r["tokens"] == 32 for r in ppl)
+
+
+def test_a_prompt_file_or_standard_input_gives_the_prompts_own_text(tmp_path, capsys, monkeypatch):
+    """--prompt-file PATH and --prompt-file - read the prompt whole (newlines kept): the same output as --prompt."""
+    import io
+
+    from ref_impl.__main__ import main
+
+    text = 'def main(argv):\n    """Run it."""\n    '
+    (tmp_path / "prompt.py").write_text(text, encoding="utf-8")
+    outs = []
+    for source in (["--prompt", text], ["--prompt-file", str(tmp_path / "prompt.py")], ["--prompt-file", "-"]):
+        monkeypatch.setattr(sys, "stdin", io.StringIO(text))
+        assert main(["generate", "--model", str(ROOT / MODEL), *source, "--max-tokens", "6"]) == 0
+        out, err = capsys.readouterr()
+        outs.append((out, err.split("] ")[0]))
+    assert outs[0] == outs[1] == outs[2] and outs[0][0].startswith(text)

@@ -19,6 +19,7 @@ from ref_impl import MODELS_DIR
 from ref_impl.__main__ import main
 from ref_impl.engine import kvquant, mtp
 from ref_impl.engine.checkpoint import load
+from ref_impl.engine.model import Model
 from ref_impl.engine.compose import Techniques, check_files, generate
 from ref_impl.engine.generate import Sampler, prefill
 from ref_impl.engine.speculative import Drafter, rewind, speculative_step
@@ -43,6 +44,31 @@ def run(models, n=40, **switches):
     t = Techniques(**switches)
     proposer = {"draft": draft, "mtp": heads, None: None}[t.speculate]
     return generate(model, tok, PROMPT, n, techniques=t, proposer=proposer, stop_at_eos=False)
+
+
+# ---- chunked prefill: bounded work per pass, the same tokens -----------------------------------------
+
+@pytest.mark.parametrize("kv, fused, speculate", [("float", False, None), ("sym8", False, "draft"),
+                                                  ("affine4-g32", True, "mtp"), ("outlier4", False, None),
+                                                  ("kivi4", False, None)])
+def test_a_prompt_runs_in_chunks_and_the_head_reads_only_what_is_sampled(models, plain, monkeypatch, kv, fused,
+                                                                           speculate):
+    """With --prefill-chunk 3, no forward of the model or the draft takes more than 3 positions (a verification
+    gamma + 1), and the LM head never reads more than a verification's gamma + 1: a prompt's activations,
+    scores and logits are those of a chunk, whatever its length. The tokens are one pass's (kivi's key blocks quantize as a chunk passes
+    them: its text may differ, its bound may not)."""
+    positions, heads = [], []
+    hidden, logits = Model.hidden, Model.logits
+    monkeypatch.setattr(Model, "hidden", lambda self, x, cache=None: positions.append(x.shape[1]) or
+                        hidden(self, x, cache))
+    monkeypatch.setattr(Model, "logits", lambda self, h: heads.append(h.shape[-2] if h.ndim > 2 else 1) or
+                        logits(self, h))
+    gamma = 3
+    g = run(models, n=12, kv=kv, fused=fused, speculate=speculate, gamma=gamma, prefill_chunk=3)
+    assert len(g.prompt_tokens) > 2 * 3 and max(positions) <= gamma + 1 and max(heads) <= gamma + 1
+    assert positions[:3] == [3, 3, 2]                             # the prompt's 8 positions, in chunks
+    if kv != "kivi4":
+        assert g.tokens == plain(kv, fused).tokens[:12]
 
 
 # ---- greedy: speculation never changes the tokens -------------------------------------------------
@@ -217,10 +243,14 @@ def test_strangers_are_refused_from_metadata(strangers, models):
     (["--mtp", str(HEADS), "--gamma", "9"], "needs as many MTP heads"),
     (["--draft", "nope.gguf"], "no such file"),
     (["--draft", str(DRAFT), "--max-tokens", "508"], "gamma (4) exceeds"),
+    (["--prefill-chunk", "0"], "prefill chunk must be at least 1 position, got 0"),
+    (["--prompt-file", "missing.txt"], "--prompt-file missing.txt: no such file"),
 ], ids=["two-proposers", "compile-quantized", "compile-draft", "kivi-draft", "fused-sym", "unknown-scheme",
-        "draft-vocabulary", "heads-other-model", "gamma-past-heads", "draft-missing", "gamma-past-context"])
+        "draft-vocabulary", "heads-other-model", "gamma-past-heads", "draft-missing", "gamma-past-context",
+        "chunk-0", "prompt-file-missing"])
 def test_cli_refusals_are_one_line_and_exit_2(args, words, strangers, capsys):
-    argv = ["generate", "--model", str(MODEL), "--prompt", "def ", *(a.format(**strangers) for a in args)]
+    prompt = [] if "--prompt-file" in args else ["--prompt", "def "]
+    argv = ["generate", "--model", str(MODEL), *prompt, *(a.format(**strangers) for a in args)]
     assert main(argv) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and words in err[0], err

@@ -66,9 +66,12 @@ class CLIRun:
     run: pipeline.PipelineRun
 
 
+PROMPT = "def main(argv):\n    "     # more positions than --prefill-chunk 3: the prompt crosses the ring in chunks
+
+
 @pytest.fixture(scope="module")
 def cli_run(monkeypatch_module) -> CLIRun:
-    """`generate --pipeline 2` on the shipped model, in this process (its stages are two processes), with
+    """`generate --pipeline 2 --prefill-chunk 3` on the shipped model, in this process (its stages are two processes), with
     pipeline.generate spied on to keep the run and have its stages trace their steps."""
     runs, real = [], pipeline.generate
 
@@ -78,7 +81,8 @@ def cli_run(monkeypatch_module) -> CLIRun:
     monkeypatch_module.setattr(pipeline, "generate", spy)
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main(["generate", "--model", str(SHIPPED), "--prompt", "def ", "--max-tokens", "12", "--pipeline", "2"])
+        rc = main(["generate", "--model", str(SHIPPED), "--prompt", PROMPT, "--max-tokens", "12", "--pipeline", "2",
+                   "--prefill-chunk", "3"])
     return CLIRun(rc, out.getvalue(), err.getvalue(), runs[0] if runs else None)
 
 
@@ -91,8 +95,9 @@ def monkeypatch_module():
 def test_generate_pipeline_2_prints_the_single_process_greedy_text(cli_run):
     assert cli_run.rc == 0, cli_run.stderr
     model, tok = load(SHIPPED)
-    g = generate(model, tok, "def ", 12)
-    assert cli_run.stdout == "def " + g.text + "\n" and cli_run.run.tokens == g.tokens
+    g = generate(model, tok, PROMPT, 12)                       # one process, one prefill pass
+    assert len(g.prompt_tokens) > 2 * 3 and cli_run.run.prompt_tokens == g.prompt_tokens
+    assert cli_run.stdout == PROMPT + g.text + "\n" and cli_run.run.tokens == g.tokens
     assert "2 pipeline stages over mx.distributed (ring)" in cli_run.stderr
     assert "stages 0: layers 0-2, 1: layers 3-5" in cli_run.stderr
 
