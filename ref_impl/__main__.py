@@ -21,6 +21,7 @@
     python -m ref_impl generate --model models/stdlib-10m.gguf --prompt "def " --pipeline 2
     python -m ref_impl bench --pipeline --label cpu-2core
     python -m ref_impl bench --oracle --label cpu-2core
+    python -m ref_impl bench --long --label cpu-2core
 
 Bad input (a missing or malformed file, an impossible setting) prints one line on stderr
 and exits with status 2; no traceback.
@@ -278,6 +279,9 @@ SWITCHES = {
     "--layer-launches": "CUDA: the fused kernels queued, per launch setting",
     "--gemv-decode": "CUDA: the 4-bit GEMV inner loop 5 ways, GB/s, error",
     "--ncu": "CUDA: Nsight Compute counters and stalls of the fused kernels",
+    "--long": "long prompts and long answers: TTFT, prefill tok/s and peak memory at prompts of 512, 2,048 and 8,192 "
+              "tokens (a random model with Llama 3's vocabulary, and --model where its context allows), ours chunked "
+              "and in one pass, mlx-lm and llama.cpp; the prefill chunk swept; ITL early vs late over 4,000 tokens",
     "--oracle": "the pages' comparisons with llama.cpp (needs llama-cpp-python): --model's Q4_K_M tensors and logits "
                 "against llama.cpp's, and a Qwen2-style random file's tokens and first greedy tokens; times nothing",
 }

@@ -18,8 +18,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from ref_impl.engine.random import args_for
-from ref_impl.measure import (capstone, cupti, gemvdecode, kv, latency, layerlaunch, link, loads, ncu, oracle,
-                              pipeline, spec, unified)
+from ref_impl.measure import (capstone, cupti, gemvdecode, kv, latency, layerlaunch, link, loads, longrun, ncu,
+                              oracle, pipeline, spec, unified)
 from ref_impl.measure.decode import bench_decode, bench_shape, roofs
 from ref_impl.measure.kernels import bench_kernels
 from ref_impl.measure.quant import bench_quant, bench_quant_groups
@@ -202,6 +202,12 @@ def show_oracle(records: list[dict]) -> list[str]:
             f"{r.get('fallback') or (repr(r['text'])[:30] if r.get('text') else '')}" for r in records]
 
 
+def show_long(records: list[dict]) -> list[str]:
+    return [f"  {r['experiment']:<18} {r['model']:<32} {r['context'] or '':>6} {r['variant'] or '':<10} "
+            f"{(r['peer'] or 'ours')[:36]:<36} {r['metric']:<21} {value_text(r):>14} {r['unit'] or ''} "
+            f"{r.get('note') or ''}" for r in records]
+
+
 # flag (an attribute of the parsed arguments) -> suite, in the order the flags are checked
 SUITES: dict[str, Suite] = {
     "capstone": Suite(run_capstone, show_capstone),
@@ -216,6 +222,8 @@ SUITES: dict[str, Suite] = {
     "alignment": Suite(lambda a, work, say: loads.bench_alignment(a.alignment_budget), show_summary),
     "quant_groups": Suite(run_quant_groups, show_summary),
     "oracle": Suite(run_oracle, show_oracle),
+    "long": Suite(lambda a, work, say: longrun.bench_long(Path(a.model), work, longrun.LongPlan.quick() if a.quick
+                                                          else longrun.LongPlan(), not a.no_peers, say), show_long),
     "quant": Suite(lambda a, work, say: bench_quant(Path(a.model), work, a.quant, a.ppl_tokens, a.prompt_len,
                                                     a.gen_tokens, a.repeats, peers=not a.no_peers), show_summary),
     "kernels": Suite(run_kernels, show_kernels),
