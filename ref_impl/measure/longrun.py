@@ -5,8 +5,8 @@ answer slows down as it grows.
 128,256 tokens, 137 MB of float32 weights, written as an F32 GGUF with llama.cpp's Llama 3 tokenizer test
 vocabulary, so every peer runs the same file and text can stream) and on the shipped model:
 
-* per prompt length (512, 2,048, 8,192 tokens, those the model's context takes): the time to the first
-  token (TTFT: prefill and one sample), prefill tokens/s, and MLX's peak memory, for our decoder with the
+* per prompt length (512, 2,048, 8,192 tokens; a model whose context is shorter, at its longest prompt
+  instead): the time to the first token (TTFT: prefill and one sample), prefill tokens/s, and MLX's peak memory, for our decoder with the
   prompt in chunks of generate.PREFILL_CHUNK and in one pass, mlx-lm (its own chunked prefill) and
   llama.cpp on the same file (TTFT only: its memory is not MLX's to count). Each peak is also given as
   what it holds beyond the weights and the KV cache, the work arrays of a prefill;
@@ -55,7 +55,8 @@ Say = Callable[[str], None]
 @dataclass(frozen=True)
 class LongPlan:
     """What bench --long measures: prompt lengths, the chunks swept, the long answer and its windows."""
-    prompts: tuple[int, ...] = (512, 2048, 8192)
+    prompts: tuple[int, ...] = (512, 2048, 8192)             # a model with a shorter context: its longest
+    chunk: int = PREFILL_CHUNK                                 # ours, chunked
     chunks: tuple[int, ...] = (128, 256, 512, 1024, 2048)     # and one pass, at the longest prompt
     answer_tokens: int = 4000
     window: int = 500                    # the answer's first and last `window` inter-token latencies
@@ -65,7 +66,7 @@ class LongPlan:
     @classmethod
     def quick(cls) -> LongPlan:
         """Seconds: two short prompts, two chunks, a 120-token answer."""
-        return cls(prompts=(32, 96), chunks=(16, 32), answer_tokens=120, window=40, repeats=1)
+        return cls(prompts=(32, 96), chunk=16, chunks=(16, 32), answer_tokens=120, window=40, repeats=1)
 
 
 def llama3_file(work: Path, context: int, vocab_dir: Path = ref_impl.VOCAB_DIR) -> Path:
@@ -104,7 +105,7 @@ def prompt_records(model: Model, path: Path, fields: dict, prompts: list[list[in
     for prompt in prompts:
         L = len(prompt)
         say(f"long prompts: {name}, {L} tokens")
-        ours = {f"chunk {PREFILL_CHUNK}": PREFILL_CHUNK, "one pass": L}
+        ours = {f"chunk {plan.chunk}": plan.chunk, "one pass": L}
         for variant, chunk in ours.items():
             first_token(model, prompt, chunk)                                     # warm-up
             runs = [first_token(model, prompt, chunk) for _ in range(plan.repeats)]
@@ -193,10 +194,11 @@ def bench_long(shipped: Path, work: Path, plan: LongPlan = LongPlan(), peers: bo
             loaded = loading.load(f, loading.LoadOptions(weights="float", kernels="off"))
         model = loaded.model
         fields = {"model": name, "weights": loaded.matrix_types, "kv": dtype_name(model.norm.weight.dtype)}
-        fits = [L for L in plan.prompts if L + 8 <= model.args.max_position_embeddings]
+        longest = model.args.max_position_embeddings - 8                 # room for the first token, and more
+        fits = sorted({min(L, longest) for L in plan.prompts})
         out += [record(EXPERIMENT, "skipped", None, None, model=name, context=L,
-                       note=f"past the model's context of {model.args.max_position_embeddings} positions")
-                for L in plan.prompts if L not in fits]
+                       note=f"past the model's context of {model.args.max_position_embeddings} positions: measured "
+                            f"at {longest} tokens instead") for L in plan.prompts if L > longest]
         prompts = [rng.integers(0, model.args.vocab_size, L).tolist() for L in fits]
         out += prompt_records(model, file, fields, prompts, plan, peers, progress)
         if file == path:
