@@ -102,18 +102,21 @@ def check_room(prompt_len: int, max_tokens: int, context: int, reserve: int = 0,
 
 
 def prefill_hidden(model: Model, tokens: mx.array, cache: list[Cache], chunk: int = PREFILL_CHUNK) -> mx.array:
-    """Run the prompt (B, L) into the cache `chunk` positions at a time; return the last position's hidden
-    state (B, hidden_size). Each chunk's keys and values are computed into the cache before the next chunk
-    is built, so a pass holds activations and attention scores for `chunk` positions (chunk x context scores
-    a head), whatever the prompt's length."""
+    """Run the prompt (B, L) into the cache; return the last position's hidden state (B, hidden_size).
+
+    All positions but the last go through `chunk` at a time, and each chunk is evaluated as far as the cache
+    only: its keys and values are computed, while the last layer's attention output and MLP, which nothing
+    reads, never run (MLX evaluates only what an evaluated array depends on, as mlx-lm's prefill does). A pass
+    then holds activations and attention scores for `chunk` positions (chunk x context scores a head),
+    whatever the prompt's length. The last position runs alone, through every layer, for the head.
+    """
     if tokens.shape[1] == 0:
         raise ValueError("the prompt is empty: give at least one token (e.g. BOS)")
     check_chunk(chunk)
-    for start in range(0, tokens.shape[1], chunk):
-        h = model.hidden(tokens[:, start:start + chunk], cache)
-        if start + chunk < tokens.shape[1]:
-            mx.eval(h)   # the chunk is in the cache: what built it can go before the next is built
-    return h[:, -1, :]
+    for start in range(0, tokens.shape[1] - 1, chunk):
+        model.hidden(tokens[:, start:min(start + chunk, tokens.shape[1] - 1)], cache)
+        mx.eval([b for c in cache for b in c.buffers()])   # the chunk is in the cache: its graph can go
+    return model.hidden(tokens[:, -1:], cache)[:, -1, :]
 
 
 def prefill(model: Model, tokens: mx.array, cache: list[Cache], chunk: int = PREFILL_CHUNK) -> mx.array:

@@ -5,7 +5,7 @@ them would make each token cost a full forward over the prefix, so they are kept
 
 `Cache` is the interface every cache has, here and in kvquant.py: `update_and_fetch` (store
 a forward's keys and values, return the whole history), `trim` (forget the newest positions),
-`state` (the filled part), `nbytes`, and `attends`, which tells `model.Attention` how to read it:
+`state` (the filled part), `buffers` (every array it holds), `nbytes`, and `attends`, which tells `model.Attention` how to read it:
 
 * "dense": Attention runs `mx.fast.scaled_dot_product_attention` on what `update_and_fetch`
   returns (the float caches here, and the quantized ones when they dequantize);
@@ -78,6 +78,15 @@ class Cache(ABC):
         """For attends == "fused": store k, v (B, n_kv_heads, L, D), return attention of q (B, H, L, D)
         over the whole history, (B, H, L, D)."""
         raise TypeError(f"{type(self).__name__} attends {self.attends!r}: use update_and_fetch")
+
+    def buffers(self) -> list[mx.array]:
+        """Every array the cache holds, codes, scales and float windows alike: evaluating them runs what a
+        forward wrote into the cache, and nothing the cache does not keep (a prefill's last layer output)."""
+        out = []
+        for v in vars(self).values():
+            out += [v] if isinstance(v, mx.array) else [x for x in v if isinstance(x, mx.array)] \
+                if isinstance(v, (list, tuple)) else []
+        return out
 
     def trim(self, n: int) -> int:
         """Forget the last n positions (speculative decoding rewinds rejected drafts this way)."""

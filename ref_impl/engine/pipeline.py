@@ -200,13 +200,16 @@ class Stage:
     def forward(self, x: mx.array, sample: bool = True) -> mx.array:
         """This stage's share of Model.__call__: token ids (first stage) or hidden states (1, L, d) in, hidden
         states out, or on the last stage the token sampled after the last position (1,); a prompt's earlier
-        chunks (sample False) stop at the caches there. The LM head reads one position, never L."""
+        chunks (sample False) stop at the caches there (their arrays, to evaluate). The LM head reads one
+        position, never L."""
         m = self.model
         h = m.embed_tokens(x) if self.first else x
         h = m.blocks(h, self.caches, self.span.start, self.span.stop)
         if not self.last:
             return h
-        return self.sampler(m.logits(m.norm(h[:, -1, :]))) if sample else h
+        if not sample:          # evaluated as far as the cache: the last layer's output is nobody's input
+            return [b for c in self.caches for b in c.buffers()]
+        return self.sampler(m.logits(m.norm(h[:, -1, :])))
 
     def send(self, x: mx.array, dst: int) -> None:
         """Send one array to a neighbour (evaluated: it has left when this returns), counting its bytes."""

@@ -97,6 +97,18 @@ def first_token(model: Model, prompt: list[int], chunk: int) -> tuple[float, int
     return clock() - start, mx.get_peak_memory(), resident_bytes(model, cache)
 
 
+def first_tokens(model: Model, prompt: list[int], chunks: dict[str, int], repeats: int) -> dict[str, list[tuple]]:
+    """first_token per variant (name -> chunk), `repeats` times: a warm-up run of each, then the variants
+    interleaved round by round, so a machine's drift falls on each alike."""
+    for chunk in chunks.values():
+        first_token(model, prompt, chunk)
+    runs = {name: [] for name in chunks}
+    for _ in range(repeats):
+        for name, chunk in chunks.items():
+            runs[name].append(first_token(model, prompt, chunk))
+    return runs
+
+
 def prompt_records(model: Model, path: Path, fields: dict, prompts: list[list[int]], plan: LongPlan, peers: bool,
                    say: Say) -> list[dict]:
     """TTFT, prefill tokens/s and peak memory per prompt length: ours chunked and in one pass, and the peers."""
@@ -106,9 +118,7 @@ def prompt_records(model: Model, path: Path, fields: dict, prompts: list[list[in
         L = len(prompt)
         say(f"long prompts: {name}, {L} tokens")
         ours = {f"chunk {plan.chunk}": plan.chunk, "one pass": L}
-        for variant, chunk in ours.items():
-            first_token(model, prompt, chunk)                                     # warm-up
-            runs = [first_token(model, prompt, chunk) for _ in range(plan.repeats)]
+        for (variant, chunk), runs in zip(ours.items(), first_tokens(model, prompt, ours, plan.repeats).values()):
             seconds, peak, held = median([r[0] for r in runs]), max(r[1] for r in runs), runs[0][2]
             out += [record(EXPERIMENT, "ttft_ms", "ms", 1e3 * seconds, context=L, variant=variant, chunk=chunk,
                            samples=[1e3 * r[0] for r in runs], **fields),
@@ -155,11 +165,9 @@ def chunk_records(model: Model, fields: dict, prompt: list[int], plan: LongPlan,
     """The chunk swept at one prompt: TTFT and the peak beyond weights and cache per chunk (and one pass)."""
     out, L, name = [], len(prompt), fields["model"]
     fields = {**fields, "context": L}
-    for chunk in [c for c in plan.chunks if c < L] + [L]:
-        say(f"long prompts: {name}, {L} tokens in chunks of {chunk}")
-        first_token(model, prompt, chunk)
-        runs = [first_token(model, prompt, chunk) for _ in range(plan.repeats)]
-        variant = "one pass" if chunk == L else f"chunk {chunk}"
+    say(f"long prompts: {name}, {L} tokens in chunks of {', '.join(map(str, plan.chunks))} and in one pass")
+    chunks = {f"chunk {c}": c for c in plan.chunks if c < L} | {"one pass": L}
+    for (variant, chunk), runs in zip(chunks.items(), first_tokens(model, prompt, chunks, plan.repeats).values()):
         out += [record(EXPERIMENT + "-chunk", "ttft_ms", "ms", 1e3 * median([r[0] for r in runs]), variant=variant,
                        chunk=chunk, samples=[1e3 * r[0] for r in runs], **fields),
                 record(EXPERIMENT + "-chunk", "peak_beyond_resident", "B", max(r[1] for r in runs) - runs[0][2],
