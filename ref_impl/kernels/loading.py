@@ -8,7 +8,7 @@ operations). `generate`, `chat`, `bench --capstone` and the notebooks load throu
 called "kernels" in the capstone is what `generate --kernels on` runs.
 
 `load` takes an open file, so a caller that checks the metadata first (a chat template, a draft's
-vocabulary) reads the file once.
+vocabulary) reads the file once; `load_file` takes a path.
 
 See chapter: capstone
 """
@@ -16,6 +16,7 @@ See chapter: capstone
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -89,6 +90,12 @@ def load(f: gguf.GGUFFile, options: LoadOptions = LoadOptions(), tokenizer: bool
         rows = tuple(r for r in options.rows if r <= MAX_ROWS) or (1,)
         loaded.report += [summary(patch(model, rows=rows, fuse=True)), fused_layers(model, options.compiled)]
     return loaded
+
+
+def load_file(path: str | Path, options: LoadOptions = LoadOptions()) -> Loaded:
+    """load, on the file at `path` (opened and closed here)."""
+    with gguf.read(path) as f:
+        return load(f, options)
 
 
 def fused_layers(model: Model, compiled: bool) -> str:
