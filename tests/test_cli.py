@@ -270,7 +270,7 @@ def test_bench_link_writes_link_records(tmp):
 def test_bench_kv_quick_writes_every_kv_experiment(tmp):
     """`bench --kv --quick`: perplexity and needle records per scheme, bytes per token, decode speed per cache
     variant (fused attention for the affine schemes) with the crossover, in one results file."""
-    from ref_impl.engine.kvquant import CACHES, FUSED
+    from ref_impl.engine.kvquant import FUSED, QUANTIZED
 
     out = tmp / "kv"
     r = cli("bench", "--kv", "--quick", "--out", out, "--label", "cli-kv", timeout=300)
@@ -282,7 +282,7 @@ def test_bench_kv_quick_writes_every_kv_experiment(tmp):
         by.setdefault(rec["experiment"], []).append(rec)
     assert set(by) == {"kv-ppl", "kv-needle", "kv-bytes", "kv-speed"}
     dtype = by["kv-ppl"][0]["dtype"]                          # the float cache is recorded under its dtype
-    schemes = {dtype, *CACHES}
+    schemes = {dtype, *QUANTIZED}
     for experiment in ("kv-ppl", "kv-needle", "kv-bytes"):
         assert {rec["kv"] for rec in by[experiment]} == schemes
     ppl = {rec["kv"]: rec["value"] for rec in by["kv-ppl"] if rec["metric"] == "heldout_perplexity"}
@@ -292,7 +292,7 @@ def test_bench_kv_quick_writes_every_kv_experiment(tmp):
     assert len(control) == 1 and control[0]["kv"] == dtype and set(control[0]["samples"]) <= {0, 1}
     per_token = {rec["kv"]: rec["value"] for rec in by["kv-bytes"] if rec["metric"] == "bytes_per_token"}
     assert dtype == "f32" and per_token[dtype] == 2 * 6 * 2 * 64 * 4   # K and V, 6 layers, 2 KV heads of 64, CPU
-    assert all(per_token[s] < per_token[dtype] for s in CACHES)
+    assert all(per_token[s] < per_token[dtype] for s in QUANTIZED)
     speed = [rec for rec in by["kv-speed"] if rec["metric"] == "tokens_per_s"]
     fused = {rec["kv"] for rec in speed if rec["variant"] == "fused"}
     assert fused <= set(FUSED) and {s.split("-")[0][:-1] for s in fused} == {"affine", "outlier"}

@@ -191,7 +191,7 @@ def test_impossible_switches_are_refused_before_loading(switches, words):
 
 
 def test_what_composes():
-    for kv in ("float", "static", "sym8", "affine4", "affine8-g128", "outlier4", "kivi2-g64-w128"):
+    for kv in ("float", "chunked", "sym8", "affine4", "affine8-g128", "outlier4", "kivi2-g64-w128"):
         Techniques(kv=kv)                                # every scheme decodes plainly
     Techniques(kv="affine4-g32", fused=True, speculate="draft", gamma=6)
     Techniques(kv="float", compiled=True, pipeline=False)

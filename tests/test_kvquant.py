@@ -13,10 +13,9 @@ from hypothesis import strategies as st
 from ref_impl.engine import kvquant
 from ref_impl.engine.checkpoint import load
 from ref_impl.engine.generate import Sampler, generate_step
-from ref_impl.engine.kvcache import CACHES as FLOAT_CACHES
 from ref_impl.engine.kvcache import Cache, ChunkedKVCache, ConcatKVCache, FloatCache, KVCache
 
-KINDS = list(kvquant.CACHES)
+KINDS = list(kvquant.QUANTIZED)
 B, H, D = 1, 2, 64
 
 
@@ -87,7 +86,7 @@ def within(got: np.ndarray, want: np.ndarray, bound: np.ndarray) -> bool:
        chunks=st.lists(st.integers(1, 48), min_size=1, max_size=4))
 def test_round_trip_within_the_format_bound(kind, seed, scale, chunks):
     k, v = random_kv(seed, sum(chunks), scale, outlier_gain=8.0)
-    cache = kvquant.CACHES[kind](B, H, D, 192)
+    cache = kvquant.SCHEMES[kind](B, H, D, 192)
     keys, values = fill(cache, k, v, chunks)
     bk, bv = bounds(cache, k, v)
     assert keys.shape == values.shape == k.shape and cache.offset == k.shape[2]
@@ -130,7 +129,7 @@ def test_attention_error_within_the_bound(kind, seed):
     n_heads, L = 4, 90
     k, v = random_kv(seed, L, 2.0, outlier_gain=6.0)
     q = np.random.default_rng(seed + 7).standard_normal((B, n_heads, 1, D)).astype(np.float32)
-    cache = kvquant.CACHES[kind](B, H, D, 128)
+    cache = kvquant.SCHEMES[kind](B, H, D, 128)
     keys, values = fill(cache, k, v, [L - 2, 1, 1])
     bk, bv = bounds(cache, k, v)
     s = D ** -0.5
@@ -165,7 +164,7 @@ def test_fused_attention_equals_dequantized(kind, n_heads):
     on the dequantized history, for plain (n_heads = H) and grouped-query (n_heads = 3 H) attention."""
     k, v = random_kv(11, 120, 2.0, outlier_gain=6.0)
     q = np.random.default_rng(12).standard_normal((B, n_heads, 120, D)).astype(np.float32)
-    plain, fused = kvquant.CACHES[kind](B, H, D, 128), kvquant.CACHES[kind](B, H, D, 128, fused=True)
+    plain, fused = kvquant.SCHEMES[kind](B, H, D, 128), kvquant.SCHEMES[kind](B, H, D, 128, fused=True)
     assert fused.attends == "fused" and plain.attends == "dense"
     steps = [(0, 40, "causal"), (40, 1, None), (41, 30, "bool"), (71, 1, None), (72, 24, "additive"),
              (96, 20, "causal"), (116, 1, None), (117, 1, None)]
@@ -264,7 +263,7 @@ def test_bytes_are_real_and_match_the_hand_formula(kind, dtype):
     sb = 2 if dtype == mx.float16 else 4
     sizes = {}
     for max_size in (64, 128):
-        c = kvquant.CACHES[kind](1, H, D, max_size, dtype)
+        c = kvquant.SCHEMES[kind](1, H, D, max_size, dtype)
         c.update_and_fetch(*(mx.ones((1, H, 40, D), dtype=dtype),) * 2)
         assert c.nbytes == sum(a.nbytes for a in stored_arrays(c))
         sizes[max_size] = c.nbytes
@@ -280,7 +279,7 @@ def test_bytes_are_real_and_match_the_hand_formula(kind, dtype):
 @pytest.mark.parametrize("n, left", [(0, 70), (3, 67), (40, 30), (70, 0), (99, 0)])
 def test_trim_like_kvcache(kind, n, left):
     k, v = random_kv(5, 71, 1.0)
-    c = kvquant.CACHES[kind](B, H, D, 96)
+    c = kvquant.SCHEMES[kind](B, H, D, 96)
     keys, values = fill(c, k[:, :, :70], v[:, :, :70], [60, 10])
     assert c.trim(n) == 70 - left and c.offset == left
     after = [np.array(a) for a in c.state]
@@ -297,7 +296,7 @@ def test_trim_like_kvcache(kind, n, left):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_errors_match_kvcache(kind):
-    c = kvquant.CACHES[kind](1, 2, 64, 4)
+    c = kvquant.SCHEMES[kind](1, 2, 64, 4)
     assert c.state[0].shape == (1, 2, 0, 64)
     with pytest.raises(ValueError, match="KV cache full: 5 positions needed, 4 allocated"):
         c.update_and_fetch(mx.zeros((1, 2, 5, 64)), mx.zeros((1, 2, 5, 64)))
@@ -315,15 +314,18 @@ def test_make_caches():
 
 
 def test_one_builder_for_every_scheme():
-    """make_caches builds the float caches too: "float" and "static" are the pre-allocated KVCache. Every
+    """make_caches builds the float caches too: "float" is the pre-allocated KVCache, its one name. Every
     quantized cache is a sibling of the float ones under kvcache.Cache (none subclasses a concrete cache); the
     three float caches share their buffers' bookkeeping through FloatCache."""
-    assert set(kvquant.SCHEMES) == {kvquant.FLOAT, *FLOAT_CACHES, *KINDS}
+    assert kvquant.FLOATS == (kvquant.FLOAT, "chunked", "concat") and len(kvquant.QUANTIZED) == 9
+    assert list(kvquant.SCHEMES) == [*kvquant.FLOATS, *KINDS]
+    assert len({getattr(m, "func", m) for m in kvquant.SCHEMES.values()}) == 3 + 4       # one name per class and size
     for scheme in kvquant.SCHEMES:
         c = kvquant.make_caches(scheme, 1, 1, 2, 64, 16, mx.float16)[0]
-        base = FloatCache if scheme in (kvquant.FLOAT, *FLOAT_CACHES) else Cache
+        base = FloatCache if scheme in kvquant.FLOATS else Cache
         assert type(c).__bases__ == (base,) and c.attends == "dense" and c.dtype == mx.float16
-    assert type(kvquant.make_caches("static", 1, 1, 2, 64, 8)[0]) is KVCache
+    with pytest.raises(ValueError, match="unknown KV-cache scheme 'static'"):
+        kvquant.make_caches("static", 1, 1, 2, 64, 8)                                 # the float cache has one name
     assert [type(c) for c in kvquant.make_caches(kvquant.FLOAT, 2, 1, 2, 64, 8)] == [KVCache, KVCache]
     assert kvquant.make_caches("chunked", 1, 1, 2, 64, 600, step=64)[0].step == 64
     assert isinstance(kvquant.make_caches("concat", 1, 1, 2, 64, 8)[0], ConcatKVCache)

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from ref_impl.engine.generate import Sampler, generate_step
-from ref_impl.engine.kvcache import CACHES, ChunkedKVCache, ConcatKVCache, KVCache
+from ref_impl.engine.kvcache import ChunkedKVCache, ConcatKVCache, KVCache
+from ref_impl.engine.kvquant import FLOATS, SCHEMES
 from ref_impl.engine.kvquant import make_caches
 from ref_impl.engine.random import args_for
 from ref_impl.measure import latency, loads
@@ -72,9 +73,9 @@ def test_cache_strategies_give_the_static_logits(tiny, kind, step):
     assert [c.offset for c in other] == [25] * tiny.args.num_hidden_layers
 
 
-@pytest.mark.parametrize("kind", list(CACHES))
+@pytest.mark.parametrize("kind", FLOATS)
 def test_cache_contract(kind):
-    c = CACHES[kind](1, 2, 4, 8)
+    c = SCHEMES[kind](1, 2, 4, 8)
     k = mx.arange(24, dtype=mx.float32).reshape(1, 2, 3, 4)
     keys, values = c.update_and_fetch(k, -k)
     assert c.offset == 3 and keys.shape == (1, 2, 3, 4) and np.array_equal(np.array(values), -np.array(k))
@@ -107,7 +108,7 @@ def test_strategies_and_layer_eval_give_the_same_tokens(tiny, sampler):
     prompt = [1, 5, 9, 4]
     n = 40
     sync = take(generate_step(tiny, prompt, Sampler(**sampler), tiny.make_cache(64)), n)
-    for kind in CACHES:
+    for kind in FLOATS:
         for pipeline in (False, True):
             cache = caches_of(tiny, kind, 64, step=8 if kind == "chunked" else None)
             assert take(generate_step(tiny, prompt, Sampler(**sampler), cache, pipeline), n) == sync, (kind, pipeline)
@@ -188,7 +189,7 @@ def test_live_readings_the_ledger_shows_are_measured_here_once_per_process():
 
 def test_kv_jitter(tiny):
     runs = kv_jitter(tiny, n_tokens=12, prompt_len=4, warmup_tokens=4)
-    assert [r.strategy for r in runs] == list(CACHES)
+    assert [r.strategy for r in runs] == list(FLOATS)
     for r in runs:
         assert isinstance(r, JitterRun) and len(r.itl_ms) == 11 and len(r.token_ids) == 12
         assert r.itl_p50_ms <= r.itl_p99_ms <= r.itl_max_ms and r.tokens_per_s > 0
@@ -260,7 +261,7 @@ def test_bench_dispatch_writes_a_well_formed_results_file(tmp_path):
     assert models == {"stdlib-10m", "tiny"}
     gains = [rec for rec in records if rec["metric"] == "gain"]
     assert len(gains) == 2 and all(rec["unit"] == "fraction" for rec in gains)
-    assert {rec["variant"] for rec in records if rec["experiment"] == "kv-jitter"} == set(CACHES)
+    assert {rec["variant"] for rec in records if rec["experiment"] == "kv-jitter"} == set(FLOATS)
     assert {rec["run"] for rec in records if rec["metric"] == "token_ms"} == {1, 2}
 
 

@@ -52,7 +52,7 @@ def cache(pauses: int = 0, share: float = 0.0, max_ms: float = 10.0) -> CacheRun
 
 def kv(*shares: float, concat_pauses: int = 0) -> KVJitter:
     """One run per chunked variance share, on two machines; concat's pauses in the first run."""
-    runs = {(f"m{i % 2}", f"model{i}"): {"static": cache(), "concat": cache(concat_pauses if i == 0 else 0),
+    runs = {(f"m{i % 2}", f"model{i}"): {"float": cache(), "concat": cache(concat_pauses if i == 0 else 0),
                                          "chunked": cache(3 if s > 0.5 else 0, s, 500.0 if s > 0.5 else 12.0)}
             for i, s in enumerate(shares)}
     return KVJitter(runs, {"m0": (3000.0, "m0, 1 Jan 2026, commit abc0001 (results/m0-20260101.json)")})
@@ -103,7 +103,7 @@ def test_live_readings_never_decide_and_are_shown():
 def test_c02_text_counts_are_the_evidence_counts():
     """The static cache's pauses, the runs where thresholds dominate: stated as counted, not typed."""
     v = ledger.dispatch_caching.judge_c02(replace(kv(0.99, 0.1), runs={
-        **kv(0.99, 0.1).runs, ("m1", "model1"): {"static": cache(1), "concat": cache(), "chunked": cache(0, 0.1)}}))
+        **kv(0.99, 0.1).runs, ("m1", "model1"): {"float": cache(1), "concat": cache(), "chunked": cache(0, 0.1)}}))
     assert "paused 1 time across the 2 runs" in v.summary and "in 1 of 2 recorded runs" in v.summary
     assert "model0 on m0" in v.condition and "model1" not in v.condition
 
@@ -212,7 +212,7 @@ def kv_jitter_run(pause_ms: float, cache_bytes: float = 1e8) -> list[dict]:
     """A kv-jitter run of the tiny model: 600 ITLs of 1 ms after a 32-token prompt for each cache, the chunked one
     pausing `pause_ms` at its growth to 512 positions (ITL 479)."""
     recs = []
-    for s in ("static", "chunked", "concat"):
+    for s in ("float", "chunked", "concat"):
         itl = [1.0] * 600
         if s == "chunked":
             itl[479] = pause_ms

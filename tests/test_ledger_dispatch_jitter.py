@@ -16,7 +16,7 @@ from tests.test_ledger_dispatch_caching import kv_jitter_run
 def runs(model: str, concat: float, chunked: float = 1.02, pauses: tuple = (), backend: str = "cuda") -> CacheRuns:
     """Medians relative to a static 1 ms; chunked crosses 4 thresholds and pauses at len(pauses) of them."""
     return CacheRuns("cpu" if backend == "cpu" else "gpu", backend, model,
-                     {"static": 1.0, "chunked": chunked, "concat": concat}, 4, pauses, 0)
+                     {"float": 1.0, "chunked": chunked, "concat": concat}, 4, pauses, 0)
 
 
 def evidence(*r: CacheRuns) -> C16Evidence:
@@ -74,7 +74,7 @@ def test_c16_reads_the_recorded_kv_jitter_runs(monkeypatch, tmp_path):
             machine, model = key.removeprefix("context, CPU: ").split(": ")[0].split(", ")
             s = key.split(": ")[-1].split(" ")[0]
             assert n.value == pytest.approx(np.median(by[machine, model, s].itl_ms)
-                                            / np.median(by[machine, model, "static"].itl_ms))
+                                            / np.median(by[machine, model, "float"].itl_ms))
     no_results(monkeypatch, tmp_path)
     v = ledger.check("C16", live=False)
     assert v.status == "pending" and "python -m ref_impl bench --dispatch" in v.summary

@@ -18,8 +18,8 @@ step allocates, grows or copies the history (the dispatch chapter measures why t
 for inter-token jitter). Two growing caches with the same interface are here to be measured
 against it: `ConcatKVCache` concatenates every step's keys onto the history (a new buffer and
 a full copy per token), and `ChunkedKVCache` grows in chunks of `step` positions, as mlx-lm's
-`KVCache` does (one allocation and copy every `step` tokens). `CACHES` names all three; the one
-builder of every cache, float or quantized, is `kvquant.make_caches`.
+`KVCache` does (one allocation and copy every `step` tokens). `kvquant.SCHEMES` names all three
+("float", "chunked", "concat") beside the quantized schemes, and `kvquant.make_caches` builds them all.
 
 Shapes: keys and values are (B, n_kv_heads, positions, head_dim); `offset` is how many
 positions are filled.
@@ -203,6 +203,3 @@ class ChunkedKVCache(FloatCache):
         self.values[:, :, self.offset:end, :] = v
         self.offset = end
         return self.state
-
-
-CACHES = {"static": KVCache, "chunked": ChunkedKVCache, "concat": ConcatKVCache}   # the float caches

@@ -44,9 +44,10 @@ magnitude to an exact code and rescales so that zero is a code, which can shorte
 the far end. Its worst-case error is therefore (max - min) / 2^b per group, not the half step
 (max - min) / (2 (2^b - 1)) of textbook affine quantization (tests/test_kvquant.py checks it).
 
-`make_caches(scheme, ...)` builds one cache per layer for any scheme name: FLOAT ("float", the
-static KVCache; "static" too), kvcache's growing "chunked" and "concat", and every key of
-`CACHES`. `scheme_bytes` reads a scheme's bytes per token off real caches' `nbytes`;
+`SCHEMES` is the one registry of cache names: FLOAT ("float", the static, pre-allocated KVCache),
+kvcache's growing "chunked" and "concat" (`FLOATS`, the three float caches), and the quantized
+schemes (`QUANTIZED`); `make_caches(scheme, ...)` builds one cache per layer for any of them, or for a
+quantized family spelled out. `scheme_bytes` reads a scheme's bytes per token off real caches' `nbytes`;
 `outlier_indices` is the chapter's rule for an outlier channel.
 
 Shapes: keys and values are (B, n_kv_heads, L, head_dim). Scales and biases are stored in the
@@ -65,10 +66,9 @@ from functools import partial
 import mlx.core as mx
 import numpy as np
 
-from ref_impl.engine import kvcache
-from ref_impl.engine.kvcache import Cache, KVCache
+from ref_impl.engine.kvcache import Cache, ChunkedKVCache, ConcatKVCache, FloatCache, KVCache
 
-FLOAT = "float"   # the scheme name of the unquantized static cache (kvcache.KVCache; kvcache.CACHES calls it "static")
+FLOAT = "float"   # the scheme name of the unquantized static cache, kvcache.KVCache
 
 # --- symmetric per-token codes: int8, or two 4-bit codes per byte -----------------------------
 
@@ -476,7 +476,10 @@ class OutlierKVCache(Cache):
 
 # --- the scheme names, and the one builder ----------------------------------------------------------
 
-CACHES = {   # the quantized schemes
+SCHEMES = {   # every cache by its one name: the float caches, then the quantized schemes
+    FLOAT: KVCache,
+    "chunked": ChunkedKVCache,
+    "concat": ConcatKVCache,
     "sym8": partial(SymmetricKVCache, bits=8),
     "sym4": partial(SymmetricKVCache, bits=4),
     "affine8-g64": partial(AffineKVCache, bits=8, group=64),
@@ -490,9 +493,9 @@ CACHES = {   # the quantized schemes
 
 # the schemes whose attention can run on the codes (fused=True): mx.quantized_matmul reads affine codes only
 FUSED_CLASSES = (AffineKVCache, OutlierKVCache)
-FUSED = tuple(name for name, make in CACHES.items() if make.func in FUSED_CLASSES)
-
-SCHEMES = {FLOAT: KVCache, **kvcache.CACHES, **CACHES}   # every scheme name make_caches takes as it is
+FUSED = tuple(name for name, make in SCHEMES.items() if getattr(make, "func", make) in FUSED_CLASSES)
+FLOATS = tuple(name for name, make in SCHEMES.items() if issubclass(getattr(make, "func", make), FloatCache))
+QUANTIZED = tuple(name for name in SCHEMES if name not in FLOATS)
 
 # a quantized family with its sizes spelled out: bits, then -g<group> and (kivi) -w<window>
 FAMILIES = {"sym": SymmetricKVCache, "affine": AffineKVCache, "kivi": KIVIKVCache, "outlier": OutlierKVCache}
@@ -526,8 +529,8 @@ def cache_class(scheme: str) -> type[Cache]:
 
 def make_caches(scheme: str, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, max_size: int,
                 dtype: mx.Dtype = mx.float32, **params) -> list[Cache]:
-    """One cache of `scheme` (a name `resolve` takes: FLOAT or "static", "chunked", "concat", a quantized
-    scheme of CACHES or a family spelled out) per layer, each for up to max_size positions; params
+    """One cache of `scheme` (a name `resolve` takes: a key of SCHEMES, or a quantized family spelled out)
+    per layer, each for up to max_size positions; params
     override the scheme's bits/group/window/... (chunked: step). `fused=True` (affine and outlier
     schemes) makes attention run on the packed codes; fused=False is accepted by every scheme.
 

@@ -57,7 +57,7 @@ def check_amortized_overhead(answer, first_ms: float = 6340.0, steady_ms: float 
 
 def _static_kv_case(shape: str, context: int, dtype_bytes: int):
     a = args_for(shape, max(context, 1))
-    caches = make_caches("static", a.num_hidden_layers, 1, a.num_key_value_heads, a.head_dim, context,
+    caches = make_caches("float", a.num_hidden_layers, 1, a.num_key_value_heads, a.head_dim, context,
                          getattr(mx, DTYPE_NAMES[dtype_bytes]))
     right = sum(c.nbytes for c in caches)            # lazy zeros: nbytes needs no allocation
     per_pos = right // context                       # bytes per cached position, all layers
@@ -79,7 +79,7 @@ def _static_kv_case(shape: str, context: int, dtype_bytes: int):
 
 def check_static_kv_bytes(answer, shape: str = "Llama-3.1-8B", context: int = 8192, dtype_bytes: int = 2) -> Result:
     """Caching task 2: bytes a static (pre-allocated) KV cache holds for one sequence of `context`
-    positions, as `kvquant.make_caches("static", ...)` allocates it.
+    positions, as `kvquant.make_caches("float", ...)` allocates it.
 
     `answer` is a whole number of bytes for the given case, or a function `f(args, context, dtype_bytes)`
     taking a `model.ModelArgs` (fields num_hidden_layers, num_key_value_heads, num_attention_heads,

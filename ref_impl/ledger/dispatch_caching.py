@@ -449,7 +449,7 @@ class KVJitter:
     captions: dict[str, str] = field(default_factory=dict)
 
 
-STRATEGIES = ("static", "chunked", "concat")
+STRATEGIES = ("float", "chunked", "concat")
 
 
 def growth_share(itl: list[float], prompt_len: int, step: int = GROWTH_STEP) -> float:
@@ -546,7 +546,7 @@ def judge_c02(e: KVJitter) -> Verdict:
         copy_ms = 2 * ch.cache_mb / e.bandwidth[label][0]
         summary += (f"; copying that whole cache once takes {figure(copy_ms)} ms at {label}'s measured bandwidth "
                     f"({figure(e.bandwidth[label][0])} GB/s), {ch.max_ms / copy_ms:,.0f}× less than its longest ITL")
-    static_pauses = sum(e.runs[k]["static"].pauses for k in order)
+    static_pauses = sum(e.runs[k]["float"].pauses for k in order)
     summary += (f"; the static cache, allocated before decoding, paused {plural(static_pauses, 'time')} across the "
                 f"{len(order)} runs ({st.pauses} in that one, longest ITL {figure(st.max_ms)} ms, p99 "
                 f"{st.p99_ms / st.p50_ms:.1f}× p50), and its price is memory: {figure(st.cache_mb)} MB held from the "

@@ -36,7 +36,7 @@ class JitterTrace:
     machine: str                # results label, e.g. "h200"
     backend: str                # "cuda" or "cpu"
     model: str
-    strategy: str               # a key of kvcache.CACHES
+    strategy: str               # a name of kvquant.FLOATS
     prompt_len: int
     itl_ms: np.ndarray
 
@@ -90,7 +90,7 @@ class CacheRuns:
 
     def vs_static(self, strategy: str) -> float:
         """A strategy's median ITL over the static cache's, less one."""
-        return self.p50_ms[strategy] / self.p50_ms["static"] - 1
+        return self.p50_ms[strategy] / self.p50_ms["float"] - 1
 
     @property
     def step_cost(self) -> bool:
@@ -110,12 +110,12 @@ def gather_c16(live: bool) -> C16Evidence | None:
     traces = {(t.machine, t.model, t.strategy): t for t in jitter_traces()}
     runs = []
     for machine, model in sorted({(m, mo) for m, mo, _ in traces}):
-        if not all((machine, model, s) in traces for s in ("static", "chunked", "concat")):
+        if not all((machine, model, s) in traces for s in ("float", "chunked", "concat")):
             continue
         ch = traces[machine, model, "chunked"]
         p = threshold_pauses(ch)
         runs.append(CacheRuns(machine, ch.backend, model,
-                              {s: traces[machine, model, s].percentile(50) for s in ("static", "chunked", "concat")},
+                              {s: traces[machine, model, s].percentile(50) for s in ("float", "chunked", "concat")},
                               len(p["thresholds"]), tuple(float(ch.itl_ms[ch.positions == x][0]) for x in p["paused"]),
                               len(p["off_threshold"])))
     if not any(r.backend != "cpu" for r in runs):
@@ -133,7 +133,7 @@ def judge_c16(e: C16Evidence) -> Verdict:
     status = decide(len(stepped) == len(gpu) and bool(paused), contradicted=not stepped and not paused)
     ev = {}
     for r in gpu:
-        ev[f"{r.machine}, {r.model}: static ITL p50"] = Number(r.p50_ms["static"], "ms")
+        ev[f"{r.machine}, {r.model}: static ITL p50"] = Number(r.p50_ms["float"], "ms")
         for s in ("concat", "chunked"):
             ev[f"{r.machine}, {r.model}: {s} p50 / static p50"] = Number(1 + r.vs_static(s), "×")
     pauses = [x for r in gpu for x in r.pauses_ms]

@@ -213,7 +213,7 @@ C05 = claim("C05", "kv-cache", gather_c05, judge_c05,
 
 # ---- C17 and C20: key outlier channels, and what keeping them costs and saves -----------------------
 
-OUTLIER4 = kvquant.CACHES["outlier4"].keywords    # the scheme C20 describes: bits, group, n_outliers
+OUTLIER4 = kvquant.SCHEMES["outlier4"].keywords    # the scheme C20 describes: bits, group, n_outliers
 C20_SAVED, C20_PRECISION = 70.0, 5.0              # the claim's "up to 70%", given to the nearest ten
 
 

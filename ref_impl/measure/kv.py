@@ -1,7 +1,7 @@
 """What quantizing the KV cache costs: key/value magnitudes, rounding error, perplexity, retrieval,
 memory and decode speed.
 
-The measurements behind the KV-cache chapter's choice of scheme (`kvquant.CACHES`):
+The measurements behind the KV-cache chapter's choice of scheme (`kvquant.QUANTIZED`):
 
 * `key_value_magnitudes`: per layer and channel, mean and max |k| and |v| over a prompt, keys both
   before and after RoPE. Keys carry a few *outlier channels* (`kvquant.outlier_channels` counts them);
@@ -130,7 +130,7 @@ DEFAULT_CONTEXTS = (8192, 16384, 32768, 65536, 131072)
 
 def memory_table(shapes: Iterable[str | ModelShape] = DEFAULT_SHAPES,
                  contexts: Sequence[int] = DEFAULT_CONTEXTS,
-                 schemes: Sequence[str] = (FLOAT, *kvquant.CACHES),
+                 schemes: Sequence[str] = (FLOAT, *kvquant.QUANTIZED),
                  dtype: mx.Dtype = mx.float16) -> list[dict]:
     """KV-cache bytes of one sequence at each context, per model shape and scheme (batch 1).
 
@@ -272,7 +272,7 @@ def fill_random(caches: Sequence[KVCache], context: int, seed: int = 0, chunk: i
 class SpeedPoint:
     """Greedy pipelined decode of one model after `context` cached positions, with one cache variant."""
     model: str
-    scheme: str                        # FLOAT or a key of kvquant.CACHES
+    scheme: str                        # FLOAT or a name of kvquant.QUANTIZED
     fused: bool                        # attention on the codes (kvquant fused=True) or on the dequantized history
     context: int
     tokens_per_s: float                # median over runs
@@ -418,7 +418,7 @@ def _quality_records(model: Model, tokenizer: Tokenizer, name: str, plan: KVPlan
                      say: Callable[[str], None]) -> list[dict]:
     """kv-ppl and kv-needle records of the GGUF model, on the stdlib-10m preset's held-out files."""
     dt = dtype_name(model.norm.weight.dtype)                        # f32 on the CPU, f16 on a GPU
-    schemes = (FLOAT, *kvquant.CACHES)
+    schemes = (FLOAT, *kvquant.QUANTIZED)
     corpus, fingerprint = read_corpus(config_for("stdlib-10m"))    # its held-out files: never trained on
     context = plan.ppl_context or model.args.max_position_embeddings
     say(f"kv-ppl: {len(schemes)} schemes, {plan.ppl_tokens or 'every'} held-out tokens in windows of {context}")
@@ -452,7 +452,7 @@ def _shape_records(model: Model, shape: str, plan: KVPlan, seed: int) -> list[di
     a, dtype = model.args, model.norm.weight.dtype
     dt = dtype_name(dtype)
     rec = []
-    for s in (FLOAT, *kvquant.CACHES):
+    for s in (FLOAT, *kvquant.QUANTIZED):
         per_token, fixed = scheme_bytes(s, a.num_key_value_heads, a.head_dim, dtype)
         rec += [record("kv-bytes", "bytes_per_token", "B", per_token * a.num_hidden_layers, model=shape,
                        kv=kv_name(s, dt), dtype=dt),

@@ -32,8 +32,8 @@ import numpy as np
 from ref_impl import ROOT
 from ref_impl.engine.checkpoint import load
 from ref_impl.engine.generate import Sampler, generate_step, prefill
-from ref_impl.engine.kvcache import CACHES, KVCache
-from ref_impl.engine.kvquant import make_caches
+from ref_impl.engine.kvcache import KVCache
+from ref_impl.engine.kvquant import FLOATS, make_caches
 from ref_impl.engine.model import Model, default_dtype
 from ref_impl.engine.random import args_for, random_model
 from ref_impl.measure.decode import ours
@@ -308,7 +308,7 @@ def measure_wired(nbytes: int = 16 << 20, tensor_bytes: int = 1 << 20,
 @dataclass
 class JitterRun:
     """One greedy pipelined generation with one KV-cache strategy."""
-    strategy: str                      # a key of kvcache.CACHES
+    strategy: str                      # a name of kvquant.FLOATS
     prompt_len: int
     tokens: int
     itl_ms: list[float]                # every inter-token latency, in order
@@ -323,15 +323,15 @@ class JitterRun:
     token_ids: list[int]
 
 
-def kv_jitter(model: Model, n_tokens: int = 1024, prompt_len: int = 16, strategies: Sequence[str] = tuple(CACHES),
+def kv_jitter(model: Model, n_tokens: int = 1024, prompt_len: int = 16, strategies: Sequence[str] = FLOATS,
               warmup_tokens: int = 264, seed: int = 0) -> list[JitterRun]:
     """Generate n_tokens greedy tokens (async_eval pipelined) with each KV-cache strategy in turn and
     record every inter-token latency and the memory counters. A warm-up run of each strategy first
     (warmup_tokens, capped at n_tokens; 264 crosses one 256-step growth) takes kernel compilation out."""
     a = model.args
     size = prompt_len + n_tokens + 1
-    if prompt_len < 1 or n_tokens < 2 or not set(strategies) <= set(CACHES):
-        raise ValueError(f"kv_jitter needs prompt_len >= 1, n_tokens >= 2, strategies from {tuple(CACHES)}")
+    if prompt_len < 1 or n_tokens < 2 or not set(strategies) <= set(FLOATS):
+        raise ValueError(f"kv_jitter needs prompt_len >= 1, n_tokens >= 2, strategies from {FLOATS}")
     if size > a.max_position_embeddings:
         raise ValueError(f"prompt_len {prompt_len} + n_tokens {n_tokens} + 1 exceeds the model's context "
                          f"length ({a.max_position_embeddings})")
@@ -470,11 +470,11 @@ def _jitter_records(model: Model, plan: DispatchPlan, tokens_per_s: float, field
     room = model.args.max_position_embeddings - plan.prompt_len - 1
     n = max(16, min(plan.kv_tokens, room, int(plan.kv_budget_s * tokens_per_s / 6)))
     runs = kv_jitter(model, min(n, room), plan.prompt_len, warmup_tokens=min(264, n), seed=seed)
-    static_ids = runs[0].token_ids
+    float_ids = runs[0].token_ids
     rec = []
     for r in runs:
         where = {"context": r.prompt_len + r.tokens, "variant": r.strategy, **fields}
-        match = float(np.mean(np.array(r.token_ids) == np.array(static_ids)))
+        match = float(np.mean(np.array(r.token_ids) == np.array(float_ids)))
         rec += [record("kv-jitter", metric, unit, value, samples=r.itl_ms if metric == "itl_ms" else (), **where)
                 for metric, unit, value in (
                     ("itl_ms", "ms", float(np.mean(r.itl_ms))), ("itl_p50_ms", "ms", r.itl_p50_ms),

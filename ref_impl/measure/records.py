@@ -88,8 +88,11 @@ def canonical(r: dict) -> dict:
     """The record in today's vocabulary (a new dict; the argument is not changed): the memory probes under
     ROOFS; dtype names short ("float16" -> "f16"); a float cache named by its dtype (the KV-cache suite's
     scheme "float", and bench --quant's "f32", which its float16 GPU runs wrote beside dtype "float16");
-    float weights upper case ("f16" -> "F16")."""
+    float weights upper case ("f16" -> "F16"); the static float cache by its one scheme name, "float" (kv-jitter
+    runs before 6 Dec 2026 called it "static")."""
     out = dict(r)
+    if out.get("experiment") == "kv-jitter" and out.get("variant") == "static":
+        out["variant"] = "float"
     if out.get("experiment") in OLD_ROOFS:
         out["experiment"] = ROOFS
     if out.get("dtype") in SHORT:
