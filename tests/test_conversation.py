@@ -195,3 +195,21 @@ def test_cli_chat_ctrl_c_stops_the_answer_not_the_program(llama3_file):
         p.kill()
     assert p.returncode == 0, err
     assert "(stopped)" in err and "900 generated" not in err
+
+
+def test_generate_chat_and_chat_read_the_model_file_once(llama3_file, monkeypatch, capsys):
+    """The chat template is checked, the weights loaded and the tokenizer built from one opening of the file."""
+    import io
+
+    from ref_impl.__main__ import main
+    from ref_impl.formats import gguf
+
+    opened, real = [], gguf.read
+    monkeypatch.setattr(gguf, "read", lambda path, *a, **kw: opened.append(str(path)) or real(path, *a, **kw))
+    assert main(["generate", "--model", str(llama3_file), "--chat", "--prompt", "Hi", "--max-tokens", "3"]) == 0
+    assert opened == [str(llama3_file)]
+    opened.clear()
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\n"))
+    assert main(["chat", "--model", str(llama3_file), "--max-tokens", "3"]) == 0
+    assert opened == [str(llama3_file)]
+    capsys.readouterr()
