@@ -20,7 +20,7 @@ is the median of `repeats` runs after a warm-up run.
 
     python -m ref_impl bench --long --label cpu-2core
 
-See chapter: dispatch-ttft
+See chapter: dispatch-long-prompts
 """
 
 from __future__ import annotations
