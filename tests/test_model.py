@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from conftest import write_random_llama
@@ -122,3 +123,52 @@ def test_causal_attention_against_float64(heads, kv_heads, L, T):
         w = np.exp(s - s.max(-1, keepdims=True))
         want[0, h] = (w / w.sum(-1, keepdims=True)) @ v[0, h // group]
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+
+def test_parts_replace_the_models_operations_one_contract_each(shipped_model):
+    """Model.use(Parts(...)): plain MLX implementations of the four contracts, written here from their formulas,
+    give the shipped model's greedy tokens; each part is called; a rope part is refused where the file's
+    rotary embedding has per-frequency factors."""
+    import dataclasses
+
+    from ref_impl.engine.checkpoint import load
+    from ref_impl.engine.compose import generate
+    from ref_impl.engine.model import MLX_PARTS, Parts
+
+    calls = set()
+
+    def norm(x, w, eps):
+        calls.add("norm")
+        return w * x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + eps)
+
+    def rope(x, offset, base, traditional):
+        calls.add("rope")
+        D = x.shape[-1]
+        angle = (offset + mx.arange(x.shape[2]))[:, None] * base ** (-mx.arange(0, D, 2) / D)[None, :]
+        cos, sin = mx.cos(angle), mx.sin(angle)
+        a, b = (x[..., 0::2], x[..., 1::2]) if traditional else (x[..., :D // 2], x[..., D // 2:])
+        pair = (a * cos - b * sin, a * sin + b * cos)
+        return mx.stack(pair, axis=-1).reshape(x.shape) if traditional else mx.concatenate(pair, axis=-1)
+
+    def attend(q, k, v, scale, causal):
+        calls.add("attend")
+        L, T, g = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
+        s = (q @ mx.repeat(k, g, axis=1).swapaxes(-1, -2)) * scale
+        if causal:
+            s = mx.where(mx.arange(T)[None, :] <= mx.arange(T - L, T)[:, None], s, -mx.inf)
+        return mx.softmax(s, axis=-1) @ mx.repeat(v, g, axis=1)
+
+    def mlp(x, gate, up, down):
+        calls.add("mlp")
+        return down(nn.silu(gate(x)) * up(x))
+
+    model, tok = load(shipped_model, mx.float32)
+    ref = generate(model, tok, "import os\n\ndef main(", 24)
+    assert model.use(Parts(norm, rope, attend, mlp)) is model
+    mine = generate(model, tok, "import os\n\ndef main(", 24)
+    assert mine.tokens == ref.tokens and calls == {"norm", "rope", "attend", "mlp"}
+    model.use(MLX_PARTS)
+    assert generate(model, tok, "import os\n\ndef main(", 24).tokens == ref.tokens
+    model.args = dataclasses.replace(model.args, rope_freq_factors=(1.0,) * 16)
+    with pytest.raises(ValueError, match="per-frequency factors"):
+        model.use(Parts(rope=rope))

@@ -28,6 +28,7 @@ See chapter: intro-roofline
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -229,7 +230,36 @@ class ModelArgs:
         }
 
 
+@dataclass(frozen=True)
+class Parts:
+    """The operations a decoder is made of, each replaceable by a function with the same contract (book/build-it
+    plugs a learner's in, one at a time, through `Model.use`); None keeps MLX's own.
+
+        norm(x, weight, eps)                RMSNorm of x over its last axis, times weight
+        rope(x, offset, base, traditional)  rotary embedding of x (B, heads, L, D) at positions offset..offset+L-1;
+                                            traditional: adjacent pairs rotate, else pairs D/2 apart
+        attend(q, k, v, scale, causal)      attention of q (B, H, L, D) over k, v (B, Hkv, T, D) -> (B, H, L, D),
+                                            each key head shared by H/Hkv query heads; causal: query i sees keys
+                                            up to T - L + i
+        mlp(x, gate, up, down)              the gated MLP, given the layer's three projections as callables
+    """
+    norm: Callable[[mx.array, mx.array, float], mx.array] | None = None
+    rope: Callable[[mx.array, int, float, bool], mx.array] | None = None
+    attend: Callable[[mx.array, mx.array, mx.array, float, bool], mx.array] | None = None
+    mlp: Callable[[mx.array, Callable, Callable, Callable], mx.array] | None = None
+
+
+MLX_PARTS = Parts()
+
+
+def rms_norm(norm: nn.RMSNorm, x: mx.array, parts: Parts) -> mx.array:
+    """An RMSNorm layer applied to x: MLX's, or parts.norm on its weight and eps."""
+    return norm(x) if parts.norm is None else parts.norm(x, norm.weight, norm.eps)
+
+
 class Attention(nn.Module):
+    parts = MLX_PARTS
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         d, hd = args.hidden_size, args.head_dim
@@ -253,6 +283,8 @@ class Attention(nn.Module):
                                         dtype=mx.float32)
 
     def rope(self, x: mx.array, offset: int) -> mx.array:
+        if self.parts.rope is not None:
+            return self.parts.rope(x, offset, self.rope_theta, self.rope_traditional)
         base = None if self._rope_freqs is not None else self.rope_theta
         return mx.fast.rope(x, self.head_dim, traditional=self.rope_traditional, base=base, scale=self.rope_scale,
                             offset=offset, freqs=self._rope_freqs)
@@ -274,7 +306,9 @@ class Attention(nn.Module):
         else:
             if cache is not None:
                 k, v = cache.update_and_fetch(k, v)  # whole history: (B, Hkv, offset + L, D)
-            if mask == "causal" and L <= SHORT_QUERIES:
+            if self.parts.attend is not None:
+                out = self.parts.attend(q, k, v, self.scale, mask == "causal")
+            elif mask == "causal" and L <= SHORT_QUERIES:
                 out = causal_attention(q, k, v, self.scale)
             else:
                 out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
@@ -282,6 +316,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    parts = MLX_PARTS
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
@@ -289,10 +325,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
+        if self.parts.mlp is not None:
+            return self.parts.mlp(x, self.gate_proj, self.up_proj, self.down_proj)
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class TransformerBlock(nn.Module):
+    parts = MLX_PARTS
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.self_attn = Attention(args)
@@ -301,11 +341,13 @@ class TransformerBlock(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, x: mx.array, mask=None, cache: Cache | None = None) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = x + self.self_attn(rms_norm(self.input_layernorm, x, self.parts), mask, cache)
+        return h + self.mlp(rms_norm(self.post_attention_layernorm, h, self.parts))
 
 
 class Model(nn.Module):
+    parts = MLX_PARTS
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -322,7 +364,7 @@ class Model(nn.Module):
     def hidden(self, tokens: mx.array, cache: list[Cache] | None = None) -> mx.array:
         """The last hidden states (B, L, hidden_size), after the final norm: what the LM head reads
         (and what mtp.py's multi-token-prediction heads read)."""
-        return self.norm(self.blocks(self.embed_tokens(tokens), cache))
+        return rms_norm(self.norm, self.blocks(self.embed_tokens(tokens), cache), self.parts)
 
     def blocks(self, h: mx.array, cache: list[Cache] | None = None, first: int = 0, stop: int | None = None
                ) -> mx.array:
@@ -333,6 +375,17 @@ class Model(nn.Module):
         for k, layer in enumerate(self.layers[first:stop]):
             h = layer(h, mask, cache[k] if cache is not None else None)
         return h
+
+    def use(self, parts: Parts) -> Model:
+        """Run this model's norms, rotary embedding, attention and MLPs through `parts` (MLX_PARTS: MLX's own);
+        returns the model. A part replaces an operation whose contract the file's architecture meets: rope
+        with per-frequency factors or a scaled context, and qwen3's per-head norms, stay MLX's."""
+        if parts.rope is not None and (self.args.rope_freq_factors is not None or self.args.rope_scaling_factor != 1):
+            raise ValueError("this model's rotary embedding has per-frequency factors or a scaled context: "
+                             "Parts.rope takes a base alone")
+        for module in (self, *self.layers, *(b.self_attn for b in self.layers), *(b.mlp for b in self.layers)):
+            module.parts = parts
+        return self
 
     def logits(self, h: mx.array) -> mx.array:
         """The LM head: hidden states (..., hidden_size) -> logits (..., vocab_size)."""
