@@ -169,6 +169,6 @@ def test_parts_replace_the_models_operations_one_contract_each(shipped_model):
     assert mine.tokens == ref.tokens and calls == {"norm", "rope", "attend", "mlp"}
     model.use(MLX_PARTS)
     assert generate(model, tok, "import os\n\ndef main(", 24).tokens == ref.tokens
-    model.args = dataclasses.replace(model.args, rope_freq_factors=(1.0,) * 16)
+    model.args = dataclasses.replace(model.args, rope_freq_factors=(1.0,) * (model.args.head_dim // 2))
     with pytest.raises(ValueError, match="per-frequency factors"):
         model.use(Parts(rope=rope))
