@@ -81,7 +81,7 @@ TEMPLATE = {
     "Exercises": r"exercises\b",
     "Further reading": r"further reading\b",
 }
-NOT_CHAPTERS = ("book/how-to-read", "book/appendix/")
+NOT_CHAPTERS = ("book/how-to-read", "book/appendix/", "book/build-it/")
 
 # Words from the making of the book, not from the course: no page and no printed output may use them.
 WORKSHOP_WORDS = (r"\blent\b", r"\bleases?\b", r"\bsessions?\b", r"\bdevice time\b", r"\boverran\b",

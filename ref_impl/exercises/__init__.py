@@ -14,6 +14,15 @@ Notebooks use `from ref_impl import exercises as ex` and call `ex.check_...`.
 See chapter: intro-roofline
 """
 
+from ref_impl.exercises.build_block import check_attend, check_mlp, check_model_parts, check_rms_norm, check_rope
+from ref_impl.exercises.build_decode import check_cache, check_decode, check_sample
+from ref_impl.exercises.build_extras import check_accept, check_dequantize_sym8, check_quantize_sym8, check_sym8_cache
+from ref_impl.exercises.build_format import (
+    check_dequantize_q4_k,
+    check_dequantize_q8_0,
+    check_read_gguf,
+    check_read_value,
+)
 from ref_impl.exercises.capstone import check_bandwidth_share, check_composes
 from ref_impl.exercises.core import RTOL, Result
 from ref_impl.exercises.dispatch import (
@@ -67,4 +76,9 @@ __all__ = [
     "check_gemv_bytes", "check_gemv_time_us", "check_launch_choice", "check_merge_splits",
     # "Capstone: everything at once"
     "check_bandwidth_share", "check_composes",
+    # "Build it yourself", steps 1-7
+    "check_read_value", "check_read_gguf", "check_dequantize_q8_0", "check_dequantize_q4_k",
+    "check_rms_norm", "check_rope", "check_attend", "check_mlp", "check_model_parts",
+    "check_cache", "check_decode", "check_sample",
+    "check_quantize_sym8", "check_dequantize_sym8", "check_sym8_cache", "check_accept",
 ]
