@@ -59,3 +59,34 @@ def test_a_step_links_its_chapter_and_keeps_the_learners_names(step):
         if c["cell_type"] == "code" and "solution" in c["metadata"].get("tags", []):
             for piece in (p for p in build.PIECES if p.step == step):
                 assert f"\ndef {piece.name}(" not in "\n" + source(c), "a solution would overwrite the learner's code"
+
+
+def test_a_learner_who_fills_every_stub_gets_the_engines_text_from_their_own_code(monkeypatch):
+    """Every step notebook's code run in one namespace, as the finale runs it, with each stub filled by the worked
+    solution under the learner's name: every check passes, the finale runs only the learner's pieces, and they
+    continue the Q8_0 shipped model with the engine's greedy tokens."""
+    import tempfile
+
+    from ref_impl import MODELS_DIR
+    from ref_impl.engine.compose import generate
+    from ref_impl.formats.quantize import quantize_file
+    from ref_impl.kernels import loading
+
+    monkeypatch.chdir(PART)                                # the notebooks' own directory, as the book runs them
+    namespace: dict = {"display": lambda *a, **k: None}
+    for step in range(1, 8):
+        for cell in cells(step):
+            if cell["cell_type"] == "code" and "course-setup" not in cell["metadata"].get("tags", []):
+                exec(source(cell), namespace)
+        for piece in (p for p in build.PIECES if p.step == step):   # the learner's cell, filled
+            namespace[piece.name] = namespace[f"worked_{piece.name}"]
+    rows, pieces = build.progress(namespace)
+    assert [r[2] for r in rows] == ["yours"] * len(build.PIECES), [r for r in rows if r[2] != "yours"]
+    with tempfile.TemporaryDirectory() as tmp:
+        q8 = Path(tmp) / "q8.gguf"
+        quantize_file(MODELS_DIR / "stdlib-10m.gguf", q8, "Q8_0")
+        engine = loading.load_file(q8, loading.LoadOptions(weights="float", kernels="off", dtype="float32"))
+        ids = engine.tokenizer.encode("import os\n\ndef main(", bos=True)
+        model, tokenizer = build.load_with(pieces["read_gguf"], pieces["dequantize_q8_0"], q8)
+        mine = build.decode_with(pieces, model, ids, 24)
+    assert mine == generate(engine.model, engine.tokenizer, ids, 24, stop_at_eos=False).tokens
