@@ -500,11 +500,11 @@ def test_missing_file_and_directory(tmp_path):
 
 
 def test_known_but_unsupported_type_reads_raw_and_refuses_to_dequantize(tmp_path):
-    path = tmp_path / "iq4xs.gguf"   # an i-quant: kquants does not dequantize those
-    write(path, {}, {"w": TensorData(GGMLType.IQ4_XS, (2, 256), bytes(272))})
+    path = tmp_path / "iq2xxs.gguf"   # a codebook i-quant: neither kquants nor iquants dequantizes those
+    write(path, {}, {"w": TensorData(GGMLType.IQ2_XXS, (2, 256), bytes(132))})
     with read(path) as f:
-        assert f.array("w").shape == (2, 136)
-        with pytest.raises(GGUFError, match="unsupported type IQ4_XS"):
+        assert f.array("w").shape == (2, 66)
+        with pytest.raises(GGUFError, match="unsupported type IQ2_XXS"):
             f.dequantize("w")
         with pytest.raises(KeyError, match="no tensor named 'x'"):
             f.array("x")

@@ -24,8 +24,10 @@ from ref_impl.engine.tokenizer import Tokenizer
 from ref_impl.formats import ggml, gguf, kquants
 
 TOKENS = [3, 17, 42, 5, 96, 0, 11, 64, 23, 8, 50, 2]
-EXACT = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K"]   # codes re-packed, not re-rounded
-BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, "Q5_K": 5, "Q6_K": 8}
+EXACT = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K",   # codes re-packed, not re-rounded
+         "Q3_K", "IQ4_NL", "IQ4_XS"]                                # exact integers as 8-bit codes
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, "Q5_K": 5, "Q6_K": 8,
+        "Q3_K": 8, "IQ4_NL": 8, "IQ4_XS": 8}
 
 
 def mlx_dequantize(a: transcode.Affine, scale_dtype=mx.float32) -> np.ndarray:
@@ -63,8 +65,7 @@ def test_exact_with_float32_scales(name):
     assert a.bits == BITS[name] and a.group_size == 32 and a.scales.shape == (6, 512 // 32)
     assert a.weight.shape == (6, 512 * a.bits // 32)
     assert np.abs(mlx_dequantize(a) - ref).max() == 0.0
-    if name in kquants.DEQUANTIZE:
-        assert np.array_equal(mlx_dequantize(a), kquants.DEQUANTIZE[name](data))
+    assert np.array_equal(mlx_dequantize(a), gguf.DEQUANTIZE[name](data))
 
 
 @pytest.mark.parametrize("name", EXACT)
@@ -234,15 +235,15 @@ def test_write_random_model(tmp_path):
 
 def test_plan_names_every_representation(tmp_path):
     """plan() reads no data: float types and vectors stay float, mapped types say their bits, and a
-    type with no mapping (Q3_K: 16-value sub-blocks) says it is expanded to float."""
+    type with no mapping (Q2_K: 16-value sub-blocks with scales and mins) says it is expanded to float."""
     rng = np.random.default_rng(0)
     gguf.write(tmp_path / "m.gguf", {"general.architecture": "llama"}, {
-        "a.weight": gguf.TensorData(ggml.GGMLType.Q3_K, (4, 256), rng.integers(0, 256, (4, 110), np.uint8)),
+        "a.weight": gguf.TensorData(ggml.GGMLType.Q2_K, (4, 256), rng.integers(0, 256, (4, 84), np.uint8)),
         "b.weight": gguf.TensorData(ggml.GGMLType.Q4_K, (4, 256), random.random_blocks("Q4_K", 4, 256, rng)),
         "c.weight": np.zeros((4, 32), np.float16), "norm.weight": np.ones(32, np.float32)})
     with gguf.read(tmp_path / "m.gguf") as f:
         table = transcode.plan(f)
-    assert table["a.weight"].representation == "float" and "no MLX affine mapping for Q3_K" in table["a.weight"].reason
+    assert table["a.weight"].representation == "float" and "no MLX affine mapping for Q2_K" in table["a.weight"].reason
     assert table["b.weight"].representation == "affine 4-bit g32"
     assert table["c.weight"].bits is None and "F16 is a float type" in table["c.weight"].reason
     assert table["norm.weight"].bits is None
@@ -265,7 +266,7 @@ def test_type_without_mapping_falls_back_to_float(tmp_path, monkeypatch, caplog)
 def test_bad_input_raises_naming_the_tensor():
     with pytest.raises(ValueError, match=r"tensor 'blk.0.attn_q.weight': row length 40 is not a multiple"):
         transcode.transcode_tensor("blk.0.attn_q.weight", ggml.GGMLType.Q8_0, np.zeros((2, 34), np.uint8), (2, 40))
-    with pytest.raises(ValueError, match=r"tensor 'x': Q3_K has no MLX affine mapping"):
-        transcode.transcode_tensor("x", ggml.GGMLType.Q3_K, np.zeros((2, 110), np.uint8), (2, 256))
+    with pytest.raises(ValueError, match=r"tensor 'x': Q2_K has no MLX affine mapping"):
+        transcode.transcode_tensor("x", ggml.GGMLType.Q2_K, np.zeros((2, 84), np.uint8), (2, 256))
     with pytest.raises(ValueError, match=r"tensor 'x': Q4_K data of shape \(2, 144\) does not hold a \(2, 512\)"):
         transcode.transcode_tensor("x", ggml.GGMLType.Q4_K, np.zeros((2, 144), np.uint8), (2, 512))

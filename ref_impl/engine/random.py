@@ -46,7 +46,9 @@ def random_model(args: ModelArgs, dtype: mx.Dtype | None = None, seed: int = 0,
 
 # fp16 fields of each block (byte offsets) and the largest scale that keeps weights plausible (|w| < ~1)
 _SCALE_FIELDS = {"Q4_0": ((0,), 0.1), "Q4_1": ((0, 2), 0.05), "Q5_0": ((0,), 0.05), "Q5_1": ((0, 2), 0.03),
-                 "Q8_0": ((0,), 0.008), "Q4_K": ((0, 2), 1e-3), "Q5_K": ((0, 2), 5e-4), "Q6_K": ((208,), 2e-4)}
+                 "Q8_0": ((0,), 0.008), "Q4_K": ((0, 2), 1e-3), "Q5_K": ((0, 2), 5e-4), "Q6_K": ((208,), 2e-4),
+                 "Q2_K": ((80, 82), 0.02), "Q3_K": ((108,), 0.007),           # |w| <= 45 d + 15 dmin; 128 d
+                 "IQ4_NL": ((0,), 0.007), "IQ4_XS": ((0,), 2e-4)}             # 127 d; 32 * 127 d (scales_h is no fp16)
 
 
 def _random_bytes(n: int, rng: np.random.Generator) -> np.ndarray:

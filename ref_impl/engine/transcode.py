@@ -19,13 +19,17 @@ the codes are re-packed, never re-rounded, and `nn.Linear`/`nn.Embedding` become
     Q4_K   4-bit g32      d sc[j]    -dmin m[j]  nibbles re-ordered (below)
     Q5_K   5-bit g32      d sc[j]    -dmin m[j]  as Q4_K plus the 5th bit from qh
     Q6_K   8-bit g32      d t        d vmin      re-quantized (below)
+    Q3_K   8-bit g32      d          -124 d      s[j] q + 124: the exact integers (below)
+    IQ4_NL 8-bit g32      d          -128 d      the table level + 128 (1..241)
+    IQ4_XS 8-bit g32      d (ls-32)  -128 d (ls-32)  as IQ4_NL
+    Q2_K   float                                 expanded (below)
 
 Nibble order: in each 32-byte chunk of Q4_K (16 bytes of Q4_0) the low nibbles are the first
 half of a span of values and the high nibbles the second half; MLX wants values 2k and 2k+1 in
 one byte, so every byte is rebuilt from two source bytes (`nibbles_to_mlx`).
 
 Exactness, measured by `transcode_error` (tests/test_transcode.py checks every claim): with
-float32 scales every type but Q6_K decodes bit for bit as `kquants` decodes it (max diff 0.0): d*sc
+float32 scales every type but Q6_K decodes bit for bit as `kquants` (`iquants`) decode it (max diff 0.0): d*sc
 (17 significand bits), dmin*m and d*sc*q (21) are exact in float32, so MLX's `scales * q + biases`
 rounds once, where kquants' `scale * q - offset` rounds. float16 scales (a float16 model on a GPU)
 round d*sc and dmin*m to 11 bits, and mx.dequantize then computes in float16: Q5_0 and Q8_0 keep
@@ -43,8 +47,17 @@ error <= step / 2, small against the error Q6_K itself adds (the k-quants chapte
 the shipped model). Floats would be exact but cost 16 bits per weight against 9 (8-bit
 codes plus a float16 scale and bias per 32), and Q6_K is a quarter of a Q4_K_M Llama-3.1-8B (1.3 of
 4.9 GB: the output matrix, attn_v and ffn_down in 16 of 32 layers), so 8 bits it is.
-Types with no native mapping (Q2_K and Q3_K with 16-value sub-blocks, the IQ codebooks) fall back
-to floats, logged, and `plan` says so per tensor.
+
+Q3_K (16-value sub-blocks, 6-bit scales s[j] in -32..31, codes q in -4..3) needs no rounding: every
+value is d times an integer v = s[j] q in [-124, 128], so 8-bit codes v + 124 with scale d and bias
+-124 d hold it, whatever the two scales of a group. With float32 scales, d * code, 124 d and their
+sum d * v each fit float32's 24 significand bits (d has 11), so MLX's one rounding changes nothing.
+IQ4_NL and IQ4_XS (iquants.py) likewise: a level of their table is an integer in [-127, 113], stored
+as level + 128 with bias -128 d, and d (IQ4_XS: d (ls - 32), 16 bits) times a level, a code or 128 is
+exact. 8 bits (9.0 per weight) is more than their 3.4 to 4.5, but well under float16's 16.
+Q2_K has no such grid: the two 16-value sub-blocks of a group have unrelated scales and mins
+(d sc q - dmin m), and MLX has no group 16, so it is expanded to floats, logged, as is any type with
+no mapping (the other i-quants' codebooks); `plan` says so per tensor.
 
 Cost: MLX bits per weight are bits + 2 x 16 / 32 with float16 scales (4-bit 5.0, 5-bit 6.0, 8-bit
 9.0; float32 scales add 1.0), against Q4_K's 4.5, Q5_0's 5.5, Q8_0's 8.5 and Q6_K's 6.56. Repacking
@@ -54,7 +67,7 @@ reading ~3x fewer bytes is the point. `swap_quantized` puts the layers into a mo
 builds the model and loads the rest.
 
 References: MLX `mx.quantize` docs (affine mode); llama.cpp ggml-quants.c `dequantize_row_q4_K`,
-`dequantize_row_q5_K`, `dequantize_row_q6_K`; block layouts in kquants.py.
+`dequantize_row_q5_K`, `dequantize_row_q6_K`, `dequantize_row_q3_K`; block layouts in kquants.py, iquants.py.
 See chapter: kquants
 """
 
@@ -69,7 +82,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ref_impl.formats import gguf, kquants
+from ref_impl.formats import gguf, iquants, kquants
 from ref_impl.formats.ggml import BLOCK, GGMLType
 
 GROUP = 32   # every mapping uses MLX group 32: the GGML (sub-)block size
@@ -253,10 +266,45 @@ def repack_q6_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return pack(q, 8), scale.astype(np.float32), bias.astype(np.float32)
 
 
+def repack_q3_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q3_K as 8-bit g32, exact: codes s[j] q + 124 (0..252), scale d, bias -124 d (module docstring)."""
+    rows = b.shape[0]
+    blk = b.reshape(-1, 110)
+    s = kquants.unpack_scales_q3_k(blk[:, 96:108])                   # (n, 16) in -32..31
+    v = kquants.codes_q3_k(blk).reshape(-1, 16, 16) * s[:, :, None]  # int16 in -124..128
+    d = np.repeat(_f16(blk[:, 108:110]), 8, axis=1).reshape(rows, -1)  # one d for the 8 groups
+    return pack((v + 124).astype(np.uint8).reshape(rows, -1), 8), d, -124 * d
+
+
+def _iq4_codes(qs: np.ndarray) -> np.ndarray:
+    """IQ4 bytes (..., 16) -> 8-bit codes (..., 32): the table level + 128 (1..241)."""
+    return (iquants.KVALUES_IQ4NL.astype(np.int16)[iquants.codes_iq4(qs)] + 128).astype(np.uint8)
+
+
+def repack_iq4_nl(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rows = b.shape[0]
+    blk = b.reshape(-1, 18)
+    d = _f16(blk[:, 0:2]).reshape(rows, -1)
+    return pack(_iq4_codes(blk[:, 2:]).reshape(rows, -1), 8), d, -128 * d
+
+
+def repack_iq4_xs(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rows = b.shape[0]
+    blk = b.reshape(-1, 136)
+    dl = (_f16(blk[:, 0:2]) * iquants.unpack_scales_iq4_xs(blk).astype(np.float32)).reshape(rows, -1)
+    return pack(_iq4_codes(blk[:, 8:].reshape(-1, 8, 16)).reshape(rows, -1), 8), dl, -128 * dl
+
+
 REPACK = {GGMLType.Q4_0: (4, repack_q4_0), GGMLType.Q4_1: (4, repack_q4_1),
           GGMLType.Q5_0: (5, repack_q5_0), GGMLType.Q5_1: (5, repack_q5_1),
           GGMLType.Q8_0: (8, repack_q8_0), GGMLType.Q4_K: (4, repack_q4_k),
-          GGMLType.Q5_K: (5, repack_q5_k), GGMLType.Q6_K: (8, repack_q6_k)}
+          GGMLType.Q5_K: (5, repack_q5_k), GGMLType.Q6_K: (8, repack_q6_k),
+          GGMLType.Q3_K: (8, repack_q3_k), GGMLType.IQ4_NL: (8, repack_iq4_nl), GGMLType.IQ4_XS: (8, repack_iq4_xs)}
+# Why a mapped type is what plan() says it is; and why a type with none is expanded, where there is more to say
+REASONS = {GGMLType.Q6_K: "re-quantized from 16-value sub-blocks (MLX has no group 16)",
+           GGMLType.Q3_K: "16-value sub-blocks as the exact integers s*q, 8-bit codes: exact",
+           GGMLType.IQ4_NL: "table levels as 8-bit codes: exact", GGMLType.IQ4_XS: "table levels as 8-bit codes: exact",
+           GGMLType.Q2_K: "each group of 32 spans two sub-blocks with unrelated scales and mins (MLX has no group 16)"}
 FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
 FLOAT_NAMES = {t.name for t in FLOAT_TYPES}
 
@@ -305,11 +353,10 @@ def plan(f: gguf.GGUFFile) -> dict[str, Plan]:
         elif len(info.shape) != 2:
             bits, reason = None, "vectors (norms, rope factors) stay float"
         elif t in REPACK:
-            bits = REPACK[t][0]
-            reason = ("re-quantized from 16-value sub-blocks (MLX has no group 16)" if t is GGMLType.Q6_K
-                      else "codes re-packed, exact")
+            bits, reason = REPACK[t][0], REASONS.get(t, "codes re-packed, exact")
         else:
-            bits, reason = None, f"no MLX affine mapping for {t.name}: expanded to float"
+            why = f" ({REASONS[t]})" if t in REASONS else ""
+            bits, reason = None, f"no MLX affine mapping for {t.name}: expanded to float{why}"
         out[name] = Plan(name, t.name, tuple(info.shape), bits, reason)
     return out
 

@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
+from ref_impl.formats import iquants, kquants
 from ref_impl.formats.ggml import ELEMENT_DTYPE, GGMLType, tensor_nbytes
-from ref_impl.formats.kquants import DEQUANTIZE
 from ref_impl.formats.sniff import describe
 
 GGUF_MAGIC = b"GGUF"
@@ -49,6 +49,7 @@ DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4          # GGML_MAX_DIMS
 MAX_NAME_BYTES = 63   # llama.cpp's GGML_MAX_NAME is 64 including the terminating NUL
 MAX_ARRAY_DEPTH = 8   # real files never nest; the cap keeps hostile files from exhausting the stack
+DEQUANTIZE = {**kquants.DEQUANTIZE, **iquants.DEQUANTIZE}  # GGML type name -> dequantizer: the float path's one table
 DECODABLE = (GGMLType.F32, GGMLType.F16, GGMLType.BF16, *(GGMLType[n] for n in DEQUANTIZE))  # dequantize's types
 
 

@@ -24,6 +24,20 @@ The other formats (those of a llama.cpp Q4_K_M file, plus Q5_K):
     block_q6_K = { ql: uint8[128], qh: uint8[64], scales: int8[16], d: fp16 } # 256 values, 210 bytes
         16 sub-blocks of 16 with int8 scale s[j]; q = 4 low bits + 2 high bits - 32:  x = d * s[j] * q
 
+Decoded only (files of these types load; nothing here writes them):
+
+    block_q4_1 = { d, m: fp16, qs: uint8[16] }                               # 32 values, 20 bytes
+        x = d * q + m, q the nibbles in Q4_0's order (0..15, no offset)
+    block_q5_1 = { d, m: fp16, qh: uint32, qs: uint8[16] }                   # 32 values, 24 bytes
+        as Q4_1 with Q5_0's 5th bit (q in 0..31)
+    block_q2_K = { scales: uint8[16], qs: uint8[64], d, dmin: fp16 }         # 256 values, 84 bytes
+        16 sub-blocks of 16, scales[j] = sc[j] | m[j] << 4 (4 bits each):  x = d * sc[j] * q - dmin * m[j]
+    block_q3_K = { hmask: uint8[32], qs: uint8[64], scales: uint8[12], d: fp16 }   # 256 values, 110 bytes
+        16 sub-blocks of 16 with 6-bit scale s[j] stored + 32; q = 2 low bits + 1 high bit - 4:  x = d * s[j] * q
+
+Q2_K and Q3_K store 2-bit codes four to a byte: value 128h + 32k + l (l < 32) is bits 2k, 2k+1 of
+qs[32h + l]; Q3_K's third bit is bit 4h + k of hmask[l]. The i-quants (IQ4_NL, IQ4_XS) are in iquants.py.
+
 Q4_0/Q5_0 (`quantize_row_q4_0_ref`): d = (the value of largest magnitude) / -8 (or -16), so that
 value lands on the extreme level -8; q = (int8)(x/d + 8.5) truncated, capped at 15 (31).
 
@@ -420,12 +434,33 @@ def dequantize_q5_0(blocks: np.ndarray) -> np.ndarray:
 
     llama.cpp falls back to Q5_0 where a Q4_K_M tensor's rows are not a multiple of 256."""
     b = _blocks(blocks, "Q5_0", 22)
-    high = np.ascontiguousarray(b[:, 2:6]).view("<u4")          # (n, 1): bit i is value i's 5th bit
-    qs = b[:, 6:]
-    low = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.uint32)
-    q = (low | (((high >> np.arange(32, dtype=np.uint32)) & 1) << 4)).astype(np.float32) - 16
+    q = _q5_codes(b[:, 2:6], b[:, 6:]) - 16
     with np.errstate(invalid="ignore"):
         return _rows(q * _f16(b[:, :2]), blocks, 22, 32)
+
+
+def _q5_codes(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1 codes 0..31 as float32 (n, 32): nibbles of qs (n, 16), low ones first, and value i's
+    5th bit from bit i of the little-endian uint32 qh (n, 4)."""
+    high = np.ascontiguousarray(qh).view("<u4")                 # (n, 1)
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.uint32)
+    return (low | (((high >> np.arange(32, dtype=np.uint32)) & 1) << 4)).astype(np.float32)
+
+
+def dequantize_q4_1(blocks: np.ndarray) -> np.ndarray:
+    """Expand uint8 Q4_1 blocks (..., row_bytes), 20 bytes per 32 values, to float32 (..., n): x = d * q + m."""
+    b = _blocks(blocks, "Q4_1", 20)
+    qs = b[:, 4:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)   # low nibbles first, as Q4_0
+    with np.errstate(invalid="ignore"):
+        return _rows(q * _f16(b[:, 0:2]) + _f16(b[:, 2:4]), blocks, 20, 32)
+
+
+def dequantize_q5_1(blocks: np.ndarray) -> np.ndarray:
+    """Expand uint8 Q5_1 blocks (..., row_bytes), 24 bytes per 32 values, to float32 (..., n): x = d * q + m."""
+    b = _blocks(blocks, "Q5_1", 24)
+    with np.errstate(invalid="ignore"):
+        return _rows(_q5_codes(b[:, 4:8], b[:, 8:]) * _f16(b[:, 0:2]) + _f16(b[:, 2:4]), blocks, 24, 32)
 
 
 def _affine_k(b: np.ndarray, q: np.ndarray, blocks: np.ndarray) -> np.ndarray:
@@ -474,9 +509,57 @@ def dequantize_q6_k(blocks: np.ndarray) -> np.ndarray:
     return _rows(x.reshape(-1, 256), blocks, 210, 256)
 
 
-# GGML type name -> dequantizer, for gguf.GGUFFile.dequantize
+def _two_bit_codes(qs: np.ndarray) -> np.ndarray:
+    """Q2_K/Q3_K low bits: qs (n, 64) -> codes 0..3 (n, 256) in value order (128h + 32k + l takes
+    bits 2k, 2k+1 of qs[32h + l])."""
+    shifts = np.arange(0, 8, 2, dtype=np.uint8)[None, None, :, None]
+    return ((qs.reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 256)
+
+
+def dequantize_q2_k(blocks: np.ndarray) -> np.ndarray:
+    """Expand uint8 Q2_K super-blocks (..., row_bytes), 84 bytes per 256 values, to float32 (..., n)."""
+    b = _blocks(blocks, "Q2_K", 84)
+    sc = b[:, 0:16]                                           # sub-block j: scale low nibble, min high
+    q = _two_bit_codes(b[:, 16:80]).reshape(-1, 16, 16).astype(np.float32)   # (n, sub-block, 16)
+    d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
+    with np.errstate(invalid="ignore"):                       # as _affine_k: d * sc first, then * q
+        scale = (d * (sc & 0x0F).astype(np.float32))[:, :, None]
+        offset = (dmin * (sc >> 4).astype(np.float32))[:, :, None]
+        return _rows((scale * q - offset).reshape(-1, 256), blocks, 84, 256)
+
+
+def unpack_scales_q3_k(scales: np.ndarray) -> np.ndarray:
+    """The 12 scale bytes of Q3_K blocks (n, 12) -> the 16 signed 6-bit scales s[j] (n, 16), -32..31.
+
+    Scale j's low 4 bits are the low (j < 8) or high (j >= 8) nibble of byte j % 8; its top 2 bits are
+    bits 2*(j // 4), 2*(j // 4) + 1 of byte 8 + j % 4 (ggml-quants.c dequantize_row_q3_K)."""
+    s = scales.astype(np.uint8)
+    low = np.concatenate([s[:, 0:8] & 0x0F, s[:, 0:8] >> 4], axis=1)
+    high = (s[:, None, 8:12] >> np.arange(0, 8, 2, dtype=np.uint8)[None, :, None]) & 3   # (n, j // 4, j % 4)
+    return (low | (high.reshape(-1, 16) << 4)).astype(np.int16) - 32
+
+
+def codes_q3_k(b: np.ndarray) -> np.ndarray:
+    """Q3_K super-blocks (n, 110) -> their codes q (n, 256), int8 in -4..3: 2 low bits from qs, the
+    third from hmask, minus 4."""
+    high = (b[:, None, 0:32] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1   # (n, 4h + k, l)
+    return (_two_bit_codes(b[:, 32:96]) | (high.reshape(-1, 256) << 2)).astype(np.int8) - 4
+
+
+def dequantize_q3_k(blocks: np.ndarray) -> np.ndarray:
+    """Expand uint8 Q3_K super-blocks (..., row_bytes), 110 bytes per 256 values, to float32 (..., n)."""
+    b = _blocks(blocks, "Q3_K", 110)
+    q = codes_q3_k(b).astype(np.float32)
+    s = unpack_scales_q3_k(b[:, 96:108]).astype(np.float32)  # (n, 16)
+    with np.errstate(invalid="ignore"):                       # d * s[j] first, then * q, as in C
+        scale = (_f16(b[:, 108:110]) * s)[:, :, None]
+        return _rows((scale * q.reshape(-1, 16, 16)).reshape(-1, 256), blocks, 110, 256)
+
+
+# GGML type name -> dequantizer; gguf.DEQUANTIZE, which GGUFFile.dequantize reads, adds iquants'
 DEQUANTIZE = {"Q8_0": dequantize_q8_0, "Q4_0": dequantize_q4_0, "Q5_0": dequantize_q5_0,
-              "Q4_K": dequantize_q4_k, "Q5_K": dequantize_q5_k, "Q6_K": dequantize_q6_k}
+              "Q4_1": dequantize_q4_1, "Q5_1": dequantize_q5_1, "Q2_K": dequantize_q2_k,
+              "Q3_K": dequantize_q3_k, "Q4_K": dequantize_q4_k, "Q5_K": dequantize_q5_k, "Q6_K": dequantize_q6_k}
 # GGML type name -> quantizer, float32 (..., n) -> uint8 (..., row_bytes); block sizes are ggml.BLOCK's
 QUANTIZE = {"Q8_0": quantize_q8_0, "Q4_0": quantize_q4_0, "Q5_0": quantize_q5_0,
             "Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k}
