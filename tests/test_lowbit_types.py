@@ -38,13 +38,14 @@ FP16_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_1": (0, 2), "Q5_1": (0, 2),
 # signalling nan, 1.0
 EXTREMES = np.array([0x7BFF, 0xFBFF, 0x0001, 0x8001, 0x0400, 0x0000, 0x8000, 0x7C00, 0xFC00, 0x7E00, 0x7C01,
                      0x3C00], dtype="<u2")
-ARGS = ModelArgs(vocab_size=257, hidden_size=256, num_hidden_layers=2, intermediate_size=512, num_attention_heads=4,
+ARGS = ModelArgs(vocab_size=264, hidden_size=256, num_hidden_layers=2, intermediate_size=512, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
 IDS = [int(i) for i in np.random.default_rng(0).integers(0, ARGS.vocab_size, 16)]
 N_BLOCKS = 512
 
 
 def oracle(data: np.ndarray, name: str) -> np.ndarray:
+    """llama.cpp's `gguf` package's dequantizer."""
     return quants.dequantize(data, gguf_py.GGMLQuantizationType[name])
 
 
@@ -134,24 +135,37 @@ def test_wrong_byte_count_is_a_clear_error(name):
 
 # --- a file of these types --------------------------------------------------------------------------------
 
+def signed_blocks(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """random_blocks with each fp16 field's sign drawn at random. random_blocks' scales are all positive,
+    so every Q4_1 weight d q + m is: the residual stream of such a model grows to ~2000 and, at some
+    positions, cancels to ~25, which costs float32 100x its usual relative error."""
+    data = random_blocks(name, *shape, rng)
+    blocks = data.reshape(-1, sizes(name)[1])
+    for at in FP16_FIELDS[name]:
+        blocks[:, at + 1] ^= rng.integers(0, 2, len(blocks), dtype=np.uint8) << 7   # the sign bit
+    return data
+
+
 @pytest.fixture(scope="module")
 def lowbit_file(tmp_path_factory) -> Path:
     """A random 2-layer llama (with a tokenizer, so it runs) whose 16 matrices cycle through TYPES."""
     work = tmp_path_factory.mktemp("lowbit")
-    tok = train_tokenizer(["def f(x):\n    return x\n"] * 4, vocab_size=ARGS.vocab_size)
+    tok = train_tokenizer(["def f(x):\n    return x + 1\n" * 50], vocab_size=ARGS.vocab_size)   # 7 merges: llama.cpp
+    assert tok.vocab_size == ARGS.vocab_size                                                    # wants some
     src = write_random_model(work / "f32.gguf", ARGS, "F32", tokenizer=tok.gguf_metadata())
     rng, path = np.random.default_rng(1), work / "lowbit.gguf"
     with gguf.read(src) as f:
         matrices = [n for n in llama_order(f.tensors) if len(f.tensors[n].shape) == 2]
         types = {n: TYPES[i % len(TYPES)] for i, n in enumerate(matrices)}
         tensors = {n: gguf.TensorData(GGMLType[types[n]], f.tensors[n].shape,
-                                      random_blocks(types[n], *f.tensors[n].shape, rng))
+                                      signed_blocks(types[n], f.tensors[n].shape, rng))
                    if n in types else f.tensor_data(n) for n in f.tensors}
         gguf.write(path, dict(f.fields), tensors)
     return path
 
 
-def logits(model, ids: list[int]) -> np.ndarray:
+def logits(model: nn.Module, ids: list[int]) -> np.ndarray:
+    """float32 logits (len(ids), vocab) of one uncached forward."""
     return np.array(model(mx.array([ids]))[0].astype(mx.float32))
 
 
@@ -211,17 +225,18 @@ def test_native_path_is_exact_where_plan_says_so(lowbit_file):
 @pytest.mark.skipif(not llama_cpp_available(), reason="llama-cpp-python is not installed")
 def test_logits_match_llama_cpp(lowbit_file, tmp_path):
     """llama.cpp on the file the `gguf` package dequantized to F32 gives our float path's logits to
-    test_llama_cpp's ATOL; on the quantized file itself, llama.cpp rounds the activations to 8 bits
-    (Q8_K, Q8_0, Q8_1) in its dot products, so there the bound is that rounding's, and top-1 agrees."""
+    test_llama_cpp's ATOL. On the quantized file itself llama.cpp rounds the activations to 8 bits (Q8_K,
+    Q8_0, Q8_1) in every dot product, which moves this random model's logits by a few percent (rms 4.3%
+    measured here; 2.5% for an all-Q4_K and 5.8% for an all-Q6_K file of the same shape), so there the
+    bound is 10% rms and the same top-1 tokens: a block read another way gives unrelated logits (~110%)."""
     from test_architectures import dequantized_copy
     from test_llama_cpp import ATOL, llama_logits, make_llama
 
     ours = logits(load(lowbit_file, mx.float32)[0], IDS)
     on_floats = llama_logits(make_llama(dequantized_copy(lowbit_file, tmp_path / "deq.gguf"), 64), IDS)
-    on_blocks = llama_logits(make_llama(lowbit_file, 64), IDS)
     diff = np.abs(ours - on_floats).max()
     assert diff <= ATOL, f"max |logit diff| against llama.cpp on F32 = {diff:.3e}"
-    diff, scale = np.abs(ours - on_blocks).max(), np.abs(ours).max()
-    print(f"\nllama.cpp on the blocks: max |logit diff| {diff:.3e} of max |logit| {scale:.3f}")
-    assert diff <= 2e-2 * scale
-    assert np.mean(ours.argmax(-1) == on_blocks.argmax(-1)) >= 0.9
+    on_blocks = llama_logits(make_llama(lowbit_file, 64), IDS)
+    rms = np.sqrt(np.mean((ours - on_blocks) ** 2) / np.mean(ours ** 2))
+    top1 = np.mean(ours.argmax(-1) == on_blocks.argmax(-1))
+    assert rms <= 0.1 and top1 >= 0.9, f"against llama.cpp on the blocks: rms relative diff {rms:.3f}, top-1 {top1:.2f}"

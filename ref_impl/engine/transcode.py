@@ -282,6 +282,7 @@ def _iq4_codes(qs: np.ndarray) -> np.ndarray:
 
 
 def repack_iq4_nl(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """IQ4_NL as 8-bit g32, exact: codes level + 128, scale d, bias -128 d."""
     rows = b.shape[0]
     blk = b.reshape(-1, 18)
     d = _f16(blk[:, 0:2]).reshape(rows, -1)
@@ -289,6 +290,7 @@ def repack_iq4_nl(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def repack_iq4_xs(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """IQ4_XS as 8-bit g32, exact: codes level + 128, scale d (ls - 32), bias -128 d (ls - 32)."""
     rows = b.shape[0]
     blk = b.reshape(-1, 136)
     dl = (_f16(blk[:, 0:2]) * iquants.unpack_scales_iq4_xs(blk).astype(np.float32)).reshape(rows, -1)
@@ -302,9 +304,9 @@ REPACK = {GGMLType.Q4_0: (4, repack_q4_0), GGMLType.Q4_1: (4, repack_q4_1),
           GGMLType.Q3_K: (8, repack_q3_k), GGMLType.IQ4_NL: (8, repack_iq4_nl), GGMLType.IQ4_XS: (8, repack_iq4_xs)}
 # Why a mapped type is what plan() says it is; and why a type with none is expanded, where there is more to say
 REASONS = {GGMLType.Q6_K: "re-quantized from 16-value sub-blocks (MLX has no group 16)",
-           GGMLType.Q3_K: "16-value sub-blocks as the exact integers s*q, 8-bit codes: exact",
+           GGMLType.Q3_K: "the integers s*q of its 16-value sub-blocks as 8-bit codes: exact",
            GGMLType.IQ4_NL: "table levels as 8-bit codes: exact", GGMLType.IQ4_XS: "table levels as 8-bit codes: exact",
-           GGMLType.Q2_K: "each group of 32 spans two sub-blocks with unrelated scales and mins (MLX has no group 16)"}
+           GGMLType.Q2_K: "a group of 32 spans two sub-blocks with unrelated scales and mins; MLX has no group 16"}
 FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
 FLOAT_NAMES = {t.name for t in FLOAT_TYPES}
 

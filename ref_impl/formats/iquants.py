@@ -1,14 +1,14 @@
 """The 4-bit i-quants, IQ4_NL and IQ4_XS: codes that index a table of levels instead of being the levels.
 
 Every other GGML format decodes a code q as an evenly spaced level, x = d * q (+ an offset). The
-"i-quants" (llama.cpp's importance-matrix-era types, IQ1_S to IQ4_XS) drop the even spacing. The two
-4-bit ones keep one code per weight but look it up in a fixed non-linear table of 16 integers,
+"i-quants" (llama.cpp's IQ types, IQ1_S to IQ4_XS) drop the even spacing. The two 4-bit ones keep one
+code per weight but look it up in a fixed non-linear table of 16 integers,
 
     kvalues_iq4nl = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]
 
 whose levels crowd near zero and spread out in the tails, where trained weights are rare: the same
 16 levels waste less of their range on a bell-shaped block than Q4_0's even ones. The table is
-asymmetric and has no zero, so x = d * kvalues_iq4nl[q] needs no offset.
+asymmetric (-127 to 113, no exact zero) and one scale is all a block needs: x = d * kvalues_iq4nl[q].
 
     block_iq4_nl = { d: fp16, qs: uint8[16] }                                     # 32 values, 18 bytes
         x[i] = d * kvalues_iq4nl[q[i]], q[i] the low nibbles of qs for i < 16, the high ones for i >= 16
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ref_impl.formats.kquants import _blocks, _f16, _rows
+from ref_impl.formats.kquants import as_rows, check_blocks, f16_column
 
 # The 16 levels of IQ4_NL and IQ4_XS, indexed by the 4-bit code (ggml-common.h kvalues_iq4nl).
 KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
@@ -58,18 +58,18 @@ def unpack_scales_iq4_xs(b: np.ndarray) -> np.ndarray:
 
 def dequantize_iq4_nl(blocks: np.ndarray) -> np.ndarray:
     """Expand uint8 IQ4_NL blocks (..., row_bytes), 18 bytes per 32 values, to float32 (..., n)."""
-    b = _blocks(blocks, "IQ4_NL", 18)
+    b = check_blocks(blocks, "IQ4_NL", 18)
     with np.errstate(invalid="ignore"):                       # a signalling-nan fp16 d gives nan, as in C
-        return _rows(_f16(b[:, 0:2]) * _levels(b[:, 2:]), blocks, 18, 32)
+        return as_rows(f16_column(b[:, 0:2]) * _levels(b[:, 2:]), blocks, 18, 32)
 
 
 def dequantize_iq4_xs(blocks: np.ndarray) -> np.ndarray:
     """Expand uint8 IQ4_XS super-blocks (..., row_bytes), 136 bytes per 256 values, to float32 (..., n)."""
-    b = _blocks(blocks, "IQ4_XS", 136)
+    b = check_blocks(blocks, "IQ4_XS", 136)
     levels = _levels(b[:, 8:].reshape(-1, 8, 16))                        # (n, 8, 32)
     with np.errstate(invalid="ignore"):                       # an inf d times ls - 32 = 0 is nan, as in C
-        dl = _f16(b[:, 0:2]) * unpack_scales_iq4_xs(b).astype(np.float32)   # (n, 8): d * (ls - 32) first
-        return _rows((dl[:, :, None] * levels).reshape(-1, 256), blocks, 136, 256)
+        dl = f16_column(b[:, 0:2]) * unpack_scales_iq4_xs(b).astype(np.float32)   # (n, 8): d * (ls - 32) first
+        return as_rows((dl[:, :, None] * levels).reshape(-1, 256), blocks, 136, 256)
 
 
 # GGML type name -> dequantizer; gguf.DEQUANTIZE joins it to kquants.DEQUANTIZE

@@ -35,8 +35,9 @@ Decoded only (files of these types load; nothing here writes them):
     block_q3_K = { hmask: uint8[32], qs: uint8[64], scales: uint8[12], d: fp16 }   # 256 values, 110 bytes
         16 sub-blocks of 16 with 6-bit scale s[j] stored + 32; q = 2 low bits + 1 high bit - 4:  x = d * s[j] * q
 
-Q2_K and Q3_K store 2-bit codes four to a byte: value 128h + 32k + l (l < 32) is bits 2k, 2k+1 of
-qs[32h + l]; Q3_K's third bit is bit 4h + k of hmask[l]. The i-quants (IQ4_NL, IQ4_XS) are in iquants.py.
+Q2_K and Q3_K (ggml-quants.c `dequantize_row_q2_K`, `_q3_K`) store 2-bit codes four to a byte: value
+128h + 32k + l (l < 32) is bits 2k, 2k+1 of qs[32h + l]; Q3_K's third bit is bit 4h + k of hmask[l].
+The i-quants (IQ4_NL, IQ4_XS) are in iquants.py.
 
 Q4_0/Q5_0 (`quantize_row_q4_0_ref`): d = (the value of largest magnitude) / -8 (or -16), so that
 value lands on the extreme level -8; q = (int8)(x/d + 8.5) truncated, capped at 15 (31).
@@ -393,7 +394,7 @@ def _q6_k_blocks(x: np.ndarray) -> np.ndarray:
 
 # ------------------------------------------------------------------------------- dequantization
 
-def _blocks(data: np.ndarray, name: str, block_bytes: int) -> np.ndarray:
+def check_blocks(data: np.ndarray, name: str, block_bytes: int) -> np.ndarray:
     """Check uint8 rows of whole blocks, shape (..., row_bytes); return them as (n_blocks, block_bytes)."""
     data = np.asarray(data)
     if data.dtype != np.uint8 or data.ndim == 0 or data.shape[-1] == 0 or data.shape[-1] % block_bytes:
@@ -402,41 +403,41 @@ def _blocks(data: np.ndarray, name: str, block_bytes: int) -> np.ndarray:
     return data.reshape(-1, block_bytes)
 
 
-def _rows(values: np.ndarray, data: np.ndarray, block_bytes: int, block_values: int) -> np.ndarray:
+def as_rows(values: np.ndarray, data: np.ndarray, block_bytes: int, block_values: int) -> np.ndarray:
     """Reshape per-block values (n_blocks, block_values) back to the rows of `data`."""
     return values.reshape(*data.shape[:-1], data.shape[-1] // block_bytes * block_values)
 
 
-def _f16(b: np.ndarray) -> np.ndarray:
+def f16_column(b: np.ndarray) -> np.ndarray:
     """Two bytes per row (n, 2) as a float32 column (n, 1)."""
     return np.ascontiguousarray(b).view("<f2").astype(np.float32)
 
 
 def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
     """Expand uint8 Q8_0 blocks of shape (..., row_bytes), row_bytes a multiple of 34, to float32 (..., n)."""
-    b = _blocks(blocks, "Q8_0", BLOCK_BYTES_Q8_0)              # (n_blocks, 34)
+    b = check_blocks(blocks, "Q8_0", BLOCK_BYTES_Q8_0)              # (n_blocks, 34)
     q = b[:, 2:].view(np.int8).astype(np.float32)             # (n_blocks, 32)
     with np.errstate(invalid="ignore"):                       # an inf scale times q = 0 is nan, as in C
-        return _rows(q * _f16(b[:, :2]), blocks, BLOCK_BYTES_Q8_0, QK8_0)
+        return as_rows(q * f16_column(b[:, :2]), blocks, BLOCK_BYTES_Q8_0, QK8_0)
 
 
 def dequantize_q4_0(blocks: np.ndarray) -> np.ndarray:
     """Expand uint8 Q4_0 blocks (..., row_bytes), 18 bytes per 32 values, to float32 (..., n)."""
-    b = _blocks(blocks, "Q4_0", 18)
+    b = check_blocks(blocks, "Q4_0", 18)
     qs = b[:, 2:]                                             # (n_blocks, 16): two 4-bit quants a byte
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32) - 8   # low nibbles first
     with np.errstate(invalid="ignore"):
-        return _rows(q * _f16(b[:, :2]), blocks, 18, 32)
+        return as_rows(q * f16_column(b[:, :2]), blocks, 18, 32)
 
 
 def dequantize_q5_0(blocks: np.ndarray) -> np.ndarray:
     """Expand uint8 Q5_0 blocks (..., row_bytes), 22 bytes per 32 values, to float32 (..., n).
 
     llama.cpp falls back to Q5_0 where a Q4_K_M tensor's rows are not a multiple of 256."""
-    b = _blocks(blocks, "Q5_0", 22)
+    b = check_blocks(blocks, "Q5_0", 22)
     q = _q5_codes(b[:, 2:6], b[:, 6:]) - 16
     with np.errstate(invalid="ignore"):
-        return _rows(q * _f16(b[:, :2]), blocks, 22, 32)
+        return as_rows(q * f16_column(b[:, :2]), blocks, 22, 32)
 
 
 def _q5_codes(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
@@ -449,34 +450,34 @@ def _q5_codes(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
 
 def dequantize_q4_1(blocks: np.ndarray) -> np.ndarray:
     """Expand uint8 Q4_1 blocks (..., row_bytes), 20 bytes per 32 values, to float32 (..., n): x = d * q + m."""
-    b = _blocks(blocks, "Q4_1", 20)
+    b = check_blocks(blocks, "Q4_1", 20)
     qs = b[:, 4:]
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)   # low nibbles first, as Q4_0
     with np.errstate(invalid="ignore"):
-        return _rows(q * _f16(b[:, 0:2]) + _f16(b[:, 2:4]), blocks, 20, 32)
+        return as_rows(q * f16_column(b[:, 0:2]) + f16_column(b[:, 2:4]), blocks, 20, 32)
 
 
 def dequantize_q5_1(blocks: np.ndarray) -> np.ndarray:
     """Expand uint8 Q5_1 blocks (..., row_bytes), 24 bytes per 32 values, to float32 (..., n): x = d * q + m."""
-    b = _blocks(blocks, "Q5_1", 24)
+    b = check_blocks(blocks, "Q5_1", 24)
     with np.errstate(invalid="ignore"):
-        return _rows(_q5_codes(b[:, 4:8], b[:, 8:]) * _f16(b[:, 0:2]) + _f16(b[:, 2:4]), blocks, 24, 32)
+        return as_rows(_q5_codes(b[:, 4:8], b[:, 8:]) * f16_column(b[:, 0:2]) + f16_column(b[:, 2:4]), blocks, 24, 32)
 
 
 def _affine_k(b: np.ndarray, q: np.ndarray, blocks: np.ndarray) -> np.ndarray:
     """x = d * sc[j] * q - dmin * m[j] per 32-value sub-block j (Q4_K, Q5_K): b (n, block bytes) starts
     with fp16 d, fp16 dmin and the 12 packed scale bytes; q (n, 8, 32) holds the codes."""
-    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])                # (n, 1) each
+    d, dmin = f16_column(b[:, 0:2]), f16_column(b[:, 2:4])                # (n, 1) each
     sc, mn = unpack_scales_q4_k(b[:, 4:16])                   # (n, 8) each
     with np.errstate(invalid="ignore"):                       # an inf d times a zero code is nan, as in C
         scale = (d * sc.astype(np.float32))[:, :, None]
         offset = (dmin * mn.astype(np.float32))[:, :, None]
-        return _rows((scale * q - offset).reshape(-1, 256), blocks, b.shape[1], 256)
+        return as_rows((scale * q - offset).reshape(-1, 256), blocks, b.shape[1], 256)
 
 
 def dequantize_q4_k(blocks: np.ndarray) -> np.ndarray:
     """Expand uint8 Q4_K super-blocks (..., row_bytes), 144 bytes per 256 values, to float32 (..., n)."""
-    b = _blocks(blocks, "Q4_K", 144)
+    b = check_blocks(blocks, "Q4_K", 144)
     qs = b[:, 16:].reshape(-1, 4, 32)                         # 4 chunks of 32 bytes
     # each chunk holds two sub-blocks: its low nibbles, then its high nibbles
     q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32).astype(np.float32)
@@ -485,7 +486,7 @@ def dequantize_q4_k(blocks: np.ndarray) -> np.ndarray:
 
 def dequantize_q5_k(blocks: np.ndarray) -> np.ndarray:
     """Expand uint8 Q5_K super-blocks (..., row_bytes), 176 bytes per 256 values, to float32 (..., n)."""
-    b = _blocks(blocks, "Q5_K", 176)
+    b = check_blocks(blocks, "Q5_K", 176)
     qh, qs = b[:, 16:48], b[:, 48:].reshape(-1, 4, 32)
     low = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)   # as Q4_K
     high = np.stack([(qh >> j) & 1 for j in range(8)], axis=1)        # sub-block j: bit j of qh
@@ -494,11 +495,11 @@ def dequantize_q5_k(blocks: np.ndarray) -> np.ndarray:
 
 def dequantize_q6_k(blocks: np.ndarray) -> np.ndarray:
     """Expand uint8 Q6_K super-blocks (..., row_bytes), 210 bytes per 256 values, to float32 (..., n)."""
-    b = _blocks(blocks, "Q6_K", 210)
+    b = check_blocks(blocks, "Q6_K", 210)
     ql = b[:, 0:128].reshape(-1, 2, 64)                       # two halves of 128 values
     qh = b[:, 128:192].reshape(-1, 2, 32)
     scales = b[:, 192:208].view(np.int8).astype(np.float32)   # (n, 16)
-    d = _f16(b[:, 208:210])
+    d = f16_column(b[:, 208:210])
     # in each half, value l + 32*k takes 4 low bits from ql and 2 high bits from qh (l < 32, k < 4)
     low = np.stack([ql[:, :, :32] & 0x0F, ql[:, :, 32:] & 0x0F, ql[:, :, :32] >> 4, ql[:, :, 32:] >> 4], axis=2)
     high = np.stack([(qh >> (2 * k)) & 3 for k in range(4)], axis=2)
@@ -506,7 +507,7 @@ def dequantize_q6_k(blocks: np.ndarray) -> np.ndarray:
     s = scales.reshape(-1, 2, 4, 2)                           # one scale per 16 values
     with np.errstate(invalid="ignore"):
         x = d[:, :, None, None] * np.repeat(s, 16, axis=3) * q
-    return _rows(x.reshape(-1, 256), blocks, 210, 256)
+    return as_rows(x.reshape(-1, 256), blocks, 210, 256)
 
 
 def _two_bit_codes(qs: np.ndarray) -> np.ndarray:
@@ -518,14 +519,14 @@ def _two_bit_codes(qs: np.ndarray) -> np.ndarray:
 
 def dequantize_q2_k(blocks: np.ndarray) -> np.ndarray:
     """Expand uint8 Q2_K super-blocks (..., row_bytes), 84 bytes per 256 values, to float32 (..., n)."""
-    b = _blocks(blocks, "Q2_K", 84)
+    b = check_blocks(blocks, "Q2_K", 84)
     sc = b[:, 0:16]                                           # sub-block j: scale low nibble, min high
     q = _two_bit_codes(b[:, 16:80]).reshape(-1, 16, 16).astype(np.float32)   # (n, sub-block, 16)
-    d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
+    d, dmin = f16_column(b[:, 80:82]), f16_column(b[:, 82:84])
     with np.errstate(invalid="ignore"):                       # as _affine_k: d * sc first, then * q
         scale = (d * (sc & 0x0F).astype(np.float32))[:, :, None]
         offset = (dmin * (sc >> 4).astype(np.float32))[:, :, None]
-        return _rows((scale * q - offset).reshape(-1, 256), blocks, 84, 256)
+        return as_rows((scale * q - offset).reshape(-1, 256), blocks, 84, 256)
 
 
 def unpack_scales_q3_k(scales: np.ndarray) -> np.ndarray:
@@ -548,12 +549,12 @@ def codes_q3_k(b: np.ndarray) -> np.ndarray:
 
 def dequantize_q3_k(blocks: np.ndarray) -> np.ndarray:
     """Expand uint8 Q3_K super-blocks (..., row_bytes), 110 bytes per 256 values, to float32 (..., n)."""
-    b = _blocks(blocks, "Q3_K", 110)
+    b = check_blocks(blocks, "Q3_K", 110)
     q = codes_q3_k(b).astype(np.float32)
     s = unpack_scales_q3_k(b[:, 96:108]).astype(np.float32)  # (n, 16)
     with np.errstate(invalid="ignore"):                       # d * s[j] first, then * q, as in C
-        scale = (_f16(b[:, 108:110]) * s)[:, :, None]
-        return _rows((scale * q.reshape(-1, 16, 16)).reshape(-1, 256), blocks, 110, 256)
+        scale = (f16_column(b[:, 108:110]) * s)[:, :, None]
+        return as_rows((scale * q.reshape(-1, 16, 16)).reshape(-1, 256), blocks, 110, 256)
 
 
 # GGML type name -> dequantizer; gguf.DEQUANTIZE, which GGUFFile.dequantize reads, adds iquants'
