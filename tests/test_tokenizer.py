@@ -274,9 +274,10 @@ def _vocab(name: str) -> Tokenizer:
         return Tokenizer.from_gguf_metadata(f.metadata)
 
 
-# the course's own byte-level BPE, SentencePiece with byte fallback (llama-spm: "<0xE4>" tokens, "▁"), and
-# a large byte-level BPE whose tokens split CJK characters and emoji between them (qwen2)
-STREAMED = {"trained": None, "llama-spm": "llama-spm", "qwen2": "qwen2"}
+# the course's own byte-level BPE, SentencePiece with byte fallback (llama-spm: "<0xE4>" tokens, "▁"),
+# a large byte-level BPE whose tokens split CJK characters and emoji between them (qwen2), and Gemma 4's
+# BPE over SentencePiece pieces (no leading "▁" to drop; "</s>" is text there)
+STREAMED = {"trained": None, "llama-spm": "llama-spm", "qwen2": "qwen2", "gemma-4": "gemma-4"}
 
 
 @pytest.fixture(scope="module", params=list(STREAMED))

@@ -20,9 +20,9 @@ from ref_impl.engine.tokenizer import Tokenizer
 from ref_impl.formats import gguf as our_gguf
 
 SEPARATOR = "\n__ggml_vocab_test__\n"  # between two inputs of a .inp file (test-tokenizer-0.cpp)
-SUPPORTED = ["aquila", "baichuan", "command-r", "deepseek-coder", "deepseek-llm", "falcon", "gpt-2", "gpt-neox",
-             "llama-bpe", "llama-spm", "mpt", "phi-3", "qwen2", "qwen35", "refact", "starcoder"]
-REFUSED = {"bert-bge": "bert", "gemma-4": "gemma4", "nomic-bert-moe": "t5"}  # tokenizer.ggml.model
+SUPPORTED = ["aquila", "baichuan", "command-r", "deepseek-coder", "deepseek-llm", "falcon", "gemma-4", "gpt-2",
+             "gpt-neox", "llama-bpe", "llama-spm", "mpt", "phi-3", "qwen2", "qwen35", "refact", "starcoder"]
+REFUSED = {"bert-bge": "bert", "nomic-bert-moe": "t5"}  # tokenizer.ggml.model
 
 TEXTS = [
     "", " ", "  ", "\t", "\n", "\r\n", "\n\n\n", " \n ", "a  b", "a   b   ", "x\t\ty", "  leading", "trailing   ",
@@ -157,6 +157,18 @@ def test_refused(name):
     """A vocabulary llama.cpp tokenizes with neither BPE nor SentencePiece is refused by name."""
     with pytest.raises(ValueError, match=f"tokenizer.ggml.model is '{REFUSED[name]}'; supported: gpt2, llama"):
         Tokenizer.from_gguf_metadata(read_metadata(vocab_path(name)))
+
+
+def test_gemma_4_vocabulary_runs(tmp_path):
+    """runnable.why_not (inspect's verdict) accepts a model file carrying Gemma 4's vocabulary."""
+    from ref_impl.engine import runnable
+    from tests.test_tokenizer import tiny_llama
+    metadata = {k: v for k, v in read_metadata(vocab_path("gemma-4")).items() if k.startswith("tokenizer.")}
+    arch, tensors = tiny_llama(len(metadata["tokenizer.ggml.tokens"]))
+    path = tmp_path / "gemma-4-vocab.gguf"
+    our_gguf.write(path, {**arch, **metadata}, tensors)
+    with our_gguf.read(path) as f:
+        assert runnable.why_not(f) is None
 
 
 def test_refused_at_cli(tmp_path, capsys):

@@ -1,4 +1,5 @@
-"""Tokenizers as llama.cpp runs them: byte-level BPE ("gpt2") and SentencePiece ("llama"), on HF `tokenizers`.
+"""Tokenizers as llama.cpp runs them: byte-level BPE ("gpt2"), SentencePiece ("llama") and Gemma 4's BPE over
+SentencePiece-style pieces ("gemma4"), on HF `tokenizers`.
 
 Byte-level BPE (GPT-2's scheme) works on UTF-8 bytes, not characters. Each of the 256 byte
 values is first given a printable stand-in character (space -> "Ġ", newline -> "Ċ"), so every
@@ -19,14 +20,21 @@ text is the highest-scoring token merges first. A character no token holds falls
 its UTF-8 bytes, tokens "<0x00>".."<0xFF>". Here the scores become BPE merges (ranked by the
 score of the token they make) and `tokenizers` runs them with byte fallback.
 
+Gemma 4 ("gemma4") mixes the two: SentencePiece's pieces ("▁" for a space, no "▁" in front of
+the text, "<0xE4>" byte tokens for characters no token holds) joined by ranked merges, as BPE.
+llama.cpp runs it as its BPE tokenizer with pre-tokenizer "gemma4" (src/llama-vocab.cpp: `load`
+overrides tokenizer.ggml.pre and add_bos_token; llm_tokenizer_bpe splits only newline runs from
+the rest, `[^\n]+|[\n]+`, on raw UTF-8, byte_encode false). Encoding is then the byte-level
+BPE's, on characters, with byte fallback; decoding is SentencePiece's.
+
 llama.cpp reads a vocabulary from these GGUF keys (src/llama-vocab.cpp, `load`):
 
-    tokenizer.ggml.model            "gpt2" = byte-level BPE, "llama" = SentencePiece
+    tokenizer.ggml.model            "gpt2" = byte-level BPE, "llama" = SentencePiece, "gemma4"
     tokenizer.ggml.pre              gpt2 only: which pre-tokenizer regexes (missing = "default")
     tokenizer.ggml.tokens           [str] the tokens, index = token id
     tokenizer.ggml.token_type       [int] 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
-    tokenizer.ggml.merges           gpt2: [str] "left right", index = merge rank
-    tokenizer.ggml.scores           llama: [float] one per token, higher merges first
+    tokenizer.ggml.merges           gpt2, gemma4: [str] "left right", index = merge rank
+    tokenizer.ggml.scores           llama: [float] one per token, higher merges first (gemma4: kept, unused)
     tokenizer.ggml.bos_token_id     int
     tokenizer.ggml.eos_token_id     int
     tokenizer.ggml.add_bos_token    bool, whether a prompt starts with BOS
@@ -54,7 +62,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 EOT = "<|endoftext|>"  # the one special token: BOS and EOS at once, as in GPT-2
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
-MODELS = ("gpt2", "llama")
+MODELS = ("gpt2", "llama", "gemma4")
 SPACE = "\u2581"  # "▁", SentencePiece's space
 
 # `tokenizer.ggml.pre` -> (split regexes, applied one after the other to the pieces the previous left;
@@ -97,6 +105,9 @@ PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
                       "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",  # punctuation
                       r"\s+$", _CJK, r"\p{N}+"), False),
     "deepseek-coder": (("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}"), False),
+    # spaces already "▁", no byte stand-ins (see `_build_bpe`). llama.cpp keeps a newline run that is a token
+    # whole; in Gemma 4's vocabulary the merges build each of them ("\n" .. 31 newlines) anyway.
+    "gemma4": ((r"[^\n]+|[\n]+",), False),
 }
 
 # Where generation ends, by token text as llama.cpp decides it: the markers that close a text, a turn or a message,
@@ -138,9 +149,9 @@ _BYTE_OF = {c: b for b, c in bytes_to_unicode().items()}
 
 
 class Tokenizer:
-    """A llama.cpp vocabulary ("gpt2" byte-level BPE or "llama" SentencePiece) and a `tokenizers` engine for it.
+    """A llama.cpp vocabulary ("gpt2" byte-level BPE, "llama" SentencePiece, "gemma4") and a `tokenizers` engine.
 
-    `tokens[i]` is token i as the vocabulary stores it; `merges[r]` is "left right", rank r ("gpt2");
+    `tokens[i]` is token i as the vocabulary stores it; `merges[r]` is "left right", rank r ("gpt2", "gemma4");
     `scores[i]` is token i's score ("llama"). `encode` treats control tokens in the text as plain
     text, like llama.cpp's `tokenize(..., special=False)`; `decode` drops them.
     """
@@ -153,23 +164,28 @@ class Tokenizer:
             raise ValueError(f"tokenizer model {model!r} is not supported; known: {list(MODELS)}")
         if len(token_types) != n:
             raise ValueError(f"{len(token_types)} token types for {n} tokens")
-        if model == "llama" and len(scores) != n:
+        if (model == "llama" or len(scores)) and len(scores) != n:
             raise ValueError(f"{len(scores)} scores for {n} tokens")
         if len(set(tokens)) != n:
             raise ValueError("tokens are not unique")
         for name, i in (("bos", bos_id), ("eos", eos_id)):
             if not 0 <= i < n:
                 raise ValueError(f"{name} id {i} is outside the vocabulary (size {n})")
-        if model == "gpt2" and pre not in PRE_TOKENIZERS:
+        if model == "gemma4":
+            pre = "gemma4"  # as llama.cpp's `load`, whatever tokenizer.ggml.pre says
+        if model != "llama" and pre not in PRE_TOKENIZERS:
             raise ValueError(f"pre-tokenizer {pre!r} is not supported; known: {sorted(PRE_TOKENIZERS)}")
         self.model, self.tokens, self.merges = model, list(tokens), list(merges)
         self.token_types, self.scores = [int(t) for t in token_types], [float(s) for s in scores]
         self.bos_id, self.eos_id, self.add_bos, self.add_eos = int(bos_id), int(eos_id), bool(add_bos), bool(add_eos)
         self.pre, self.add_space_prefix = pre, bool(add_space_prefix)
-        self.hf = self._build_bpe() if model == "gpt2" else self._build_spm()
+        self.spm_pieces = model == "llama" or pre == "gemma4"  # tokens spell a space "▁", a byte "<0xE4>"
+        self.hf = self._build_spm() if model == "llama" else self._build_bpe()
+        # llama.cpp's Gemma 4 workaround (llama-vocab.cpp `load`): beside "<|tool_response>", "</s>" is plain text
+        plain = {"</s>"} if "<|tool_response>" in self.tokens else set()
         self.control = {i for i, (t, ty) in enumerate(zip(self.tokens, self.token_types))
-                        if ty == TOKEN_CONTROL or t in CONTROL_TEXTS}
-        self.end_markers = frozenset(i for i, t in enumerate(self.tokens) if t in END_TEXTS)
+                        if (ty == TOKEN_CONTROL or t in CONTROL_TEXTS) and t not in plain}
+        self.end_markers = frozenset(i for i, t in enumerate(self.tokens) if t in END_TEXTS - plain)
         self.hf.add_tokens([AddedToken(t, special=i in self.control, normalized=False)
                             for i, (t, ty) in enumerate(zip(self.tokens, self.token_types))
                             if i in self.control or ty == TOKEN_USER_DEFINED])
@@ -180,7 +196,8 @@ class Tokenizer:
                 single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, self.bos_id)])
 
     def _build_bpe(self) -> HFTokenizer:
-        """Byte-level BPE: the pre-tokenizer's regexes, GPT-2's byte stand-ins, ranked merges."""
+        """Byte-level BPE: the pre-tokenizer's regexes, GPT-2's byte stand-ins, ranked merges. Pre-tokenizer
+        "gemma4" merges characters instead: spaces become "▁" first, and byte tokens stand in for the rest."""
         vocab = {t: i for i, t in enumerate(self.tokens)}
         pairs = []
         for rank, merge in enumerate(self.merges):
@@ -190,11 +207,17 @@ class Tokenizer:
                 raise ValueError(f"merge {rank} {merge!r} does not join two tokens into a token")
             pairs.append((left, right))
         regexes, ignore_merges = PRE_TOKENIZERS[self.pre]
+        splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
+        if self.spm_pieces:
+            hf = HFTokenizer(models.BPE(vocab, pairs, ignore_merges=ignore_merges, byte_fallback=True))
+            hf.normalizer = normalizers.Replace(" ", SPACE)
+            hf.pre_tokenizer = pre_tokenizers.Sequence(splits)
+            hf.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+            return hf
         # No unk token and no byte fallback: the 256 byte tokens cover every input.
         hf = HFTokenizer(models.BPE(vocab, pairs, ignore_merges=ignore_merges))
-        hf.pre_tokenizer = pre_tokenizers.Sequence([
-            *(pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        hf.pre_tokenizer = pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                      use_regex=False)])
         hf.decoder = decoders.ByteLevel()
         return hf
 
@@ -254,13 +277,13 @@ class Tokenizer:
         return TextStream(self)
 
     def id_to_piece(self, token_id: int) -> str:
-        """Token as stored in the vocabulary, e.g. "Ġdef" (gpt2) or "▁def" (llama) for " def"."""
+        """Token as stored in the vocabulary, e.g. "Ġdef" (gpt2) or "▁def" (llama, gemma4) for " def"."""
         return self.tokens[token_id]
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes a token stands for (a control or user-defined token gives its own text)."""
         piece, kind = self.tokens[token_id], self.token_types[token_id]
-        if self.model == "llama":
+        if self.spm_pieces:
             if kind == TOKEN_BYTE:
                 return bytes([int(piece[3:-1], 16)])  # "<0x41>" -> b"A"
             return piece.replace(SPACE, " ").encode() if kind == TOKEN_NORMAL else piece.encode()
@@ -282,28 +305,30 @@ class Tokenizer:
         if self.model == "llama":
             return {**common, "tokenizer.ggml.scores": list(self.scores),
                     "tokenizer.ggml.add_space_prefix": self.add_space_prefix}
-        return {**common, "tokenizer.ggml.pre": self.pre, "tokenizer.ggml.merges": list(self.merges)}
+        scores = {"tokenizer.ggml.scores": list(self.scores)} if self.scores else {}
+        return {**common, "tokenizer.ggml.pre": self.pre, "tokenizer.ggml.merges": list(self.merges), **scores}
 
     @classmethod
     def from_gguf_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
         """Rebuild the tokenizer from GGUF metadata (other keys in the dict are ignored).
 
-        Raises ValueError unless the vocabulary is "gpt2" (with a supported pre-tokenizer) or
-        "llama", with consistent keys. Defaults are llama.cpp's: a missing pre-tokenizer is
-        "default"; add_bos_token is false for gpt2 ("llama-bpe": true) and true for llama;
+        Raises ValueError unless the vocabulary is "gpt2" (with a supported pre-tokenizer),
+        "llama" or "gemma4", with consistent keys. Defaults are llama.cpp's: a missing pre-tokenizer is
+        "default"; add_bos_token is false for gpt2 ("llama-bpe": true), true for llama and always for gemma4;
         add_eos_token false; add_space_prefix true; missing token types mean all normal.
         """
         model = metadata.get("tokenizer.ggml.model")
         if model not in MODELS:
             raise ValueError(f"tokenizer.ggml.model is {model!r}; supported: {', '.join(MODELS)}")
-        needed = ("tokens", "bos_token_id", "eos_token_id", "merges" if model == "gpt2" else "scores")
+        needed = ("tokens", "bos_token_id", "eos_token_id", "scores" if model == "llama" else "merges")
         missing = [k for k in needed if f"tokenizer.ggml.{k}" not in metadata]
         if missing:
             raise ValueError(f"GGUF metadata lacks tokenizer.ggml.{{{', '.join(missing)}}}")
         tokens = [str(t) for t in metadata["tokenizer.ggml.tokens"]]
         types = [int(t) for t in metadata.get("tokenizer.ggml.token_type", [TOKEN_NORMAL] * len(tokens))]
-        pre = str(metadata.get("tokenizer.ggml.pre", "default"))
-        add_bos = metadata.get("tokenizer.ggml.add_bos_token", model == "llama" or pre == "llama-bpe")
+        pre = "gemma4" if model == "gemma4" else str(metadata.get("tokenizer.ggml.pre", "default"))
+        add_bos = metadata.get("tokenizer.ggml.add_bos_token", model == "llama" or pre == "llama-bpe") \
+            or pre == "gemma4"  # llama.cpp turns it on for Gemma 4 (llama-vocab.cpp, `load`)
         return cls(tokens, [str(m) for m in metadata.get("tokenizer.ggml.merges", [])], types,
                    int(metadata["tokenizer.ggml.bos_token_id"]), int(metadata["tokenizer.ggml.eos_token_id"]),
                    bool(add_bos), pre, model=model, scores=metadata.get("tokenizer.ggml.scores", ()),
