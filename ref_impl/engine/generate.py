@@ -1,8 +1,8 @@
 """Generation: prefill the prompt, then decode one token at a time.
 
-Two phases with different costs. *Prefill* runs the whole prompt through the model in one
-forward (a matrix-matrix product per weight: compute-bound); its end is the time to first
-token (TTFT). *Decode* then feeds one token per forward (a matrix-vector product per weight:
+Two phases with different costs. *Prefill* runs the prompt through the model in forwards of
+PREFILL_CHUNK positions (a matrix-matrix product per weight: compute-bound; chunks bound its
+memory, see prefill_hidden); its end is the time to first token (TTFT). *Decode* then feeds one token per forward (a matrix-vector product per weight:
 every weight is read from memory for one token, so it is bandwidth-bound); the gaps between
 tokens are the inter-token latencies (ITL).
 
