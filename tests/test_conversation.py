@@ -178,9 +178,27 @@ def test_cli_chat_refuses_a_file_without_template_in_one_line():
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "has no chat template" in r.stderr
 
 
+@pytest.fixture(scope="module")
+def endless_file(llama3, tmp_path_factory):
+    """The llama3 model with <|eot_id|>'s head row zeroed too: letters win every step (each has a positive logit
+    at some letter with probability 1 - 2^-26), so an answer runs to --max-tokens unless stopped."""
+    model, tokenizer, _ = llama3
+    head = np.array(model.lm_head.weight)
+    head[EOT] = 0.0
+    endless = random_model(model.args, mx.float32, seed=1)
+    endless.update(model.parameters())
+    endless.lm_head.weight = mx.array(head)
+    reply = Conversation(endless, tokenizer, {**LLAMA3_META, chat.TEMPLATE_KEY: LLAMA3}, "endless.gguf",
+                         max_tokens=300).say("Hi there")
+    assert len(reply.generation.tokens) == 300                      # the premise: nothing ends an answer early
+    path = tmp_path_factory.mktemp("endless") / "endless.gguf"
+    save(endless, tokenizer, path, {chat.TEMPLATE_KEY: LLAMA3})
+    return path
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child process")
-def test_cli_chat_ctrl_c_stops_the_answer_not_the_program(llama3_file):
-    p = subprocess.Popen([sys.executable, "-u", "-m", "ref_impl", "chat", "--model", str(llama3_file),
+def test_cli_chat_ctrl_c_stops_the_answer_not_the_program(endless_file):
+    p = subprocess.Popen([sys.executable, "-u", "-m", "ref_impl", "chat", "--model", str(endless_file),
                           "--max-tokens", "900", "--context", "1024"], cwd=ROOT, stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
