@@ -277,17 +277,15 @@ def first_steps(stage: Stage, prompt: list[int]) -> Iterator[SpeculativeStep]:
             mx.eval(out)
             if not stage.last:
                 stage.send_hidden(out, remaining=len(prompt) - k * chunk if step == 0 else 0)
-        t_done = wall()
+        t_done, positions = wall(), len(prompt) if step == 0 else 1
         if stage.last:                                      # one stage: the token is already here
             y = int(out.item())
-            stage.stamp(step, len(prompt) if step == 0 else 1, t_in=t_in, t_done=t_done, t_sent=t_done,
-                        t_back=t_done)
+            stage.stamp(step, positions, t_in=t_in, t_done=t_done, t_sent=t_done, t_back=t_done)
         else:
             t_sent = wall()
             stage.wait()
             y = int(mx.distributed.recv((1,), mx.int32, stage.config.stages - 1).item())
-            stage.stamp(step, len(prompt) if step == 0 else 1, t_in=t_in, t_done=t_done, t_sent=t_sent,
-                        t_back=wall())
+            stage.stamp(step, positions, t_in=t_in, t_done=t_done, t_sent=t_sent, t_back=wall())
         yield SpeculativeStep([y], 0, 0)
         pieces, step = [[y]], step + 1
 

@@ -85,13 +85,18 @@ def resident_bytes(model: Model, cache: list) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters())) + sum(c.nbytes for c in cache)
 
 
+def clean_peak() -> None:
+    """Free what earlier runs left and restart MLX's peak-memory counter, so a peak is one run's own."""
+    gc.collect()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+
+
 def first_token(model: Model, prompt: list[int], chunk: int) -> tuple[float, int, int]:
     """One prefill and first sample into a fresh cache for the prompt and one more position: (seconds,
     MLX's peak memory in bytes, the bytes of the weights and the cache)."""
     cache = model.make_cache(len(prompt) + 1)
-    gc.collect()
-    mx.clear_cache()
-    mx.reset_peak_memory()
+    clean_peak()
     start = clock()
     next(generate_step(model, prompt, Sampler(), cache, chunk=chunk))
     return clock() - start, mx.get_peak_memory(), resident_bytes(model, cache)
@@ -142,9 +147,7 @@ def peer_records(mlx_lm, path: Path, prompt: list[int], plan: LongPlan, fields: 
                                             if llama_cpp_available() else []):
         seconds, peaks = [], []
         for k in range(plan.repeats + 1):
-            gc.collect()
-            mx.clear_cache()
-            mx.reset_peak_memory()
+            clean_peak()
             start = clock()
             next(iter(stream(prompt, 1)))
             if k:                                                                  # the first is the warm-up
