@@ -16,10 +16,11 @@ TOKENS = [3, 17, 42, 5, 96, 0, 11, 64, 23, 8, 50, 2]
 
 def test_names_round_trip():
     for name in ["token_embd.weight", "output.weight", "output_norm.weight",
-                 "blk.0.attn_q.weight", "blk.11.ffn_down.weight", "blk.3.attn_norm.weight"]:
+                 "blk.0.attn_q.weight", "blk.11.ffn_down.weight", "blk.3.attn_norm.weight", "blk.0.attn_qkv.weight",
+                 "blk.2.post_ffw_norm.weight", "blk.1.ffn_gate_exps.weight", "blk.1.ffn_gate.weight"]:
         assert mlx_to_gguf_name(gguf_to_mlx_name(name)) == name
     with pytest.raises(ValueError, match="unexpected tensor"):
-        gguf_to_mlx_name("blk.0.attn_qkv.weight")
+        gguf_to_mlx_name("blk.0.ssm_conv1d.weight")
 
 
 def test_save_round_trips_the_model(tmp_path):

@@ -105,7 +105,7 @@ def test_bad_models_raise_clear_errors(tmp_path):
         ModelArgs.from_gguf({**metadata, "llama.attention.head_count_kv": 3}, tensors)
     with pytest.raises(ValueError, match="must equal the head dimension"):
         ModelArgs.from_gguf({**metadata, "llama.rope.dimension_count": 8}, tensors)
-    with pytest.raises(ValueError, match="rope_freqs has 3 factors, a head of 16 needs 8"):
+    with pytest.raises(ValueError, match="the rope factors are 3, a head of 16 needs 8"):
         ModelArgs.from_gguf(metadata, tensors, (1.0, 2.0, 3.0))
 
 

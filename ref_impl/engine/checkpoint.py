@@ -44,7 +44,12 @@ GGUF_BLOCK_NAMES = {
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",                                        # Phi-3's fused projections
+    "post_attention_norm": "attn_output_norm", "post_ffw_norm": "mlp_output_norm",   # Gemma's sandwich norms
+    "ffn_gate_inp": "mlp.router", "ffn_gate_exps": "mlp.gate_exps",          # a mixture of experts (moe.py)
+    "ffn_up_exps": "mlp.up_exps", "ffn_down_exps": "mlp.down_exps",
 }
+ROPE_FACTORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")  # read into args
 
 
 def gguf_to_mlx_name(name: str) -> str:
@@ -54,7 +59,7 @@ def gguf_to_mlx_name(name: str) -> str:
         return f"layers.{parts[1]}.{GGUF_BLOCK_NAMES[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in GGUF_TOP_NAMES:
         return f"{GGUF_TOP_NAMES[parts[0]]}.{parts[1]}"
-    raise ValueError(f"unexpected tensor {name!r} in a llama, qwen2 or qwen3 GGUF file")
+    raise ValueError(f"unexpected tensor {name!r} in a GGUF file of the architectures this decoder reads")
 
 
 def mlx_to_gguf_name(name: str) -> str:
@@ -77,7 +82,7 @@ def gguf_weight_names(f: gguf.GGUFFile, model: Model) -> dict[str, str]:
     expected = dict(nn.utils.tree_flatten(model.parameters()))
     names = {}
     for name, info in f.tensors.items():
-        if name == "rope_freqs.weight":
+        if name in ROPE_FACTORS:
             continue
         mlx_name = gguf_to_mlx_name(name)
         if mlx_name not in expected:
@@ -94,11 +99,22 @@ def gguf_weight_names(f: gguf.GGUFFile, model: Model) -> dict[str, str]:
 
 
 def model_args(f: gguf.GGUFFile) -> ModelArgs:
-    """The hyper-parameters of an open GGUF file (llama, qwen2, qwen3), Llama 3's rope factors included."""
-    factors = None
-    if "rope_freqs.weight" in f.tensors:
-        factors = tuple(f.dequantize("rope_freqs.weight").astype(float).tolist())
-    return ModelArgs.from_gguf(f.metadata, f.tensors, factors)
+    """The hyper-parameters of an open GGUF file, its rope frequency factors included: Llama 3's `rope_freqs`, or
+    Phi-3's long factors where the file's context exceeds the original one, its short ones otherwise (llama.cpp's
+    `llama_model::get_rope_factors`, run at the file's context, as llama.cpp runs by default)."""
+    def factors(name: str) -> tuple[float, ...]:
+        return tuple(f.dequantize(name).astype(float).tolist())
+
+    args = ModelArgs.from_gguf(f.metadata, f.tensors)
+    found = [n for n in ROPE_FACTORS if n in f.tensors]
+    if not found:
+        return args
+    if "rope_freqs.weight" in found:
+        return ModelArgs.from_gguf(f.metadata, f.tensors, factors("rope_freqs.weight"))
+    if set(found) != {"rope_factors_long.weight", "rope_factors_short.weight"}:
+        raise ValueError(f"the file has {found[0]} alone: Phi-3's long rope needs rope_factors_long and _short")
+    long = args.max_position_embeddings > args.rope_original_context
+    return ModelArgs.from_gguf(f.metadata, f.tensors, factors(f"rope_factors_{'long' if long else 'short'}.weight"))
 
 
 def _to_mlx(f: gguf.GGUFFile, name: str, dtype: mx.Dtype) -> mx.array:

@@ -99,7 +99,7 @@ class Conversation:
         """Forget the cache past its first n positions (all of it where a cache cannot be rewound exactly);
         the positions kept."""
         n = min(n, *(c.offset for c in self.cache))
-        if n < max(c.offset for c in self.cache) and not all(c.rewinds_exactly for c in self.cache):
+        if not all(c.rewinds(c.offset - n) for c in self.cache):
             n = 0
         for c in self.cache:
             c.trim(c.offset - n)

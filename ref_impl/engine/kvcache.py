@@ -20,6 +20,8 @@ against it: `ConcatKVCache` concatenates every step's keys onto the history (a n
 a full copy per token), and `ChunkedKVCache` grows in chunks of `step` positions, as mlx-lm's
 `KVCache` does (one allocation and copy every `step` tokens). `kvquant.SCHEMES` names all three
 ("float", "chunked", "concat") beside the quantized schemes, and `kvquant.make_caches` builds them all.
+`WindowKVCache` is the float cache of a sliding-window layer (Gemma's): it keeps only the positions a query's
+window can reach, so its memory stops growing with the context (`Model.make_cache` gives it to those layers).
 
 Shapes: keys and values are (B, n_kv_heads, positions, head_dim); `offset` is how many
 positions are filled.
@@ -87,6 +89,10 @@ class Cache(ABC):
             out += [v] if isinstance(v, mx.array) else [x for x in v if isinstance(x, mx.array)] \
                 if isinstance(v, (list, tuple)) else []
         return out
+
+    def rewinds(self, n: int) -> bool:
+        """Whether trimming the last n positions leaves exactly the cache of the positions before them."""
+        return self.rewinds_exactly or n >= self.offset
 
     def trim(self, n: int) -> int:
         """Forget the last n positions (speculative decoding rewinds rejected drafts this way)."""
@@ -203,3 +209,63 @@ class ChunkedKVCache(FloatCache):
         self.values[:, :, self.offset:end, :] = v
         self.offset = end
         return self.state
+
+
+class WindowKVCache(FloatCache):
+    """The cache of a sliding-window layer, whose queries see only the `window` newest positions (Gemma): it keeps
+    the last window - 1 positions a future query can need, plus `margin` more so that speculative decoding can trim
+    rejected drafts, in a buffer of `step` free slots beyond those. Writes land in free slots; when a forward does
+    not fit, the kept positions move to the front of a new buffer (one copy every `step` tokens, as ChunkedKVCache).
+    So its memory stays at (window - 1 + margin + step) positions however long the context grows.
+
+    `update_and_fetch` returns the positions it holds, newest last, never all of them: Attention masks each query
+    to its window (model.window_bias), which needs only that the newest key is the newest query's own."""
+
+    def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_size: int, dtype: mx.Dtype = mx.float32,
+                 window: int = 4096, margin: int = 64, step: int = 256):
+        if window < 1 or margin < 0 or step < 1:
+            raise ValueError(f"a window cache needs window >= 1, margin >= 0, step >= 1; got {window}, {margin}, {step}")
+        self.window, self.margin = window, margin
+        self.keep = window - 1 + margin
+        super().__init__(batch, n_kv_heads, head_dim, max_size, dtype, length=min(max_size, self.keep + step))
+        self.start = 0   # the position held in slot 0
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array]:
+        held = self.offset - self.start
+        return self.keys[:, :, :held, :], self.values[:, :, :held, :]
+
+    def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        """Store k, v (B, n_kv_heads, L, head_dim) after the newest position; return what this forward's queries
+        may see and more: (B, n_kv_heads, T, head_dim) whose last L positions are k, v."""
+        end, held, L = self.reserve(k, v), self.offset - self.start, k.shape[2]
+        if held + L <= self.keys.shape[2]:
+            self.keys[:, :, held:held + L, :] = k
+            self.values[:, :, held:held + L, :] = v
+            self.offset = end
+            return self.state
+        # the last `keep` positions before this forward, then its own: what its queries see
+        kept = min(held, self.keep)
+        keys = mx.concatenate([self.keys[:, :, held - kept:held, :], k.astype(self.dtype)], axis=2)
+        values = mx.concatenate([self.values[:, :, held - kept:held, :], v.astype(self.dtype)], axis=2)
+        last = min(keys.shape[2], self.keep)
+        room = mx.zeros((self.batch, self.n_kv_heads, self.keys.shape[2] - last, self.head_dim), dtype=self.dtype)
+        self.keys = mx.concatenate([keys[:, :, -last:, :], room], axis=2)
+        self.values = mx.concatenate([values[:, :, -last:, :], room], axis=2)
+        self.offset, self.start = end, end - last
+        return keys, values
+
+    def trim(self, n: int) -> int:
+        """Forget the last n positions; a ValueError when the window of the next query would reach past what
+        the cache kept (more than `margin` positions trimmed after the oldest were dropped)."""
+        n = max(0, min(self.offset, n))
+        if n < self.offset and self.start > 0 and self.offset - n - self.start < self.window - 1:
+            raise ValueError(f"a sliding-window cache keeps {self.margin} positions to rewind, asked for {n}")
+        self.offset -= n
+        if self.offset == 0:
+            self.start = 0
+        return n
+
+    def rewinds(self, n: int) -> bool:
+        """Whether trimming n positions leaves every key the next query's window needs."""
+        return n >= self.offset or self.start == 0 or self.offset - n - self.start >= self.window - 1

@@ -1,4 +1,5 @@
-"""A Llama-family decoder in MLX, loaded from a GGUF file: llama (Mistral too), qwen2 and qwen3.
+"""A Llama-family decoder in MLX, loaded from a GGUF file: llama (Mistral, Mixtral), qwen2, qwen3, qwen3moe, gemma2,
+gemma3 and phi3.
 
 One pass through the network, for tokens (B, L):
 
@@ -8,18 +9,21 @@ Attention is grouped-query (n_kv_heads <= n_heads key/value heads, each shared b
 query heads) with rotary position embeddings; the MLP is SwiGLU. The hot operations go
 through `mx.fast` (rope, scaled_dot_product_attention, rms_norm), as mlx-lm does.
 
-The three architectures differ in three switches of `ModelArgs`, one model for all:
+The architectures differ in switches of `ModelArgs` (architectures.py lists them), one model for all:
 - rope style: llama.cpp's converter reorders a llama's query and key rows for "normal" RoPE, which
-  rotates *adjacent* pairs (x0, x1), (x2, x3), ... (`traditional=True` in `mx.fast.rope`); qwen2 and
-  qwen3 keep Hugging Face's order, rotated NEOX-style in pairs half a head apart (x0, x_{D/2}), ...;
+  rotates *adjacent* pairs (x0, x1), (x2, x3), ... (`traditional=True` in `mx.fast.rope`); the others
+  keep Hugging Face's order, rotated NEOX-style in pairs half a head apart (x0, x_{D/2}), ...;
 - attention_bias: q, k and v projections with biases (qwen2; llama.cpp reads them for any of the three);
-- qk_norm: an RMSNorm over each head of the queries and keys before rope (qwen3).
+- qk_norm: an RMSNorm over each head of the queries and keys before rope (qwen3, gemma3);
+- Gemma's block: embeddings times sqrt(d), GeGLU, norms on the attention's and the MLP's outputs, sliding-window
+  layers (a key more than `sliding_window - 1` positions back is masked) and soft-capped scores and logits;
+- a mixture of experts in place of the MLP (engine/moe.py), and Phi-3's fused projections.
 
 Weights follow llama.cpp's conventions, so a GGUF written by llama.cpp's own converter loads as well
 as the course's model: matrices are stored (out, in). Llama 3's frequency scaling arrives as the
 `rope_freqs.weight` tensor, linear rope scaling as `<arch>.rope.scaling.factor`; both are applied here.
 
-References: llama.cpp src/models/llama.cpp, qwen2.cpp, qwen3.cpp (the graphs), src/llama-model.cpp
+References: llama.cpp src/models/*.cpp (the graphs), src/llama-model.cpp
 (`llama_model_rope_type`, the hyper-parameter keys).
 
 See chapter: intro-roofline
@@ -28,6 +32,7 @@ See chapter: intro-roofline
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,8 +41,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ref_impl.engine.kvcache import Cache
+from ref_impl.engine.architectures import ARCHITECTURES, Architecture, check_architecture, hparam_keys, read_hparams
+from ref_impl.engine.kvcache import Cache, WindowKVCache
 from ref_impl.engine.kvquant import FLOAT, make_caches
+from ref_impl.engine.moe import MoE
 from ref_impl.formats import gguf
 from ref_impl.theory.shapes import ModelShape
 
@@ -67,31 +74,6 @@ def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.
     return (mx.softmax(scores, axis=-1, precise=True) @ v).reshape(B, H, L, D)
 
 
-@dataclass(frozen=True)
-class Architecture:
-    """What sets one llama.cpp architecture apart in this decoder."""
-    rope_traditional: bool   # llama.cpp's LLAMA_ROPE_TYPE_NORM (adjacent pairs); False: NEOX (pairs D/2 apart)
-    qk_norm: bool            # RMSNorm over each query and key head before rope
-
-
-# the `general.architecture` values this decoder reads, as llama.cpp builds them
-ARCHITECTURES = {
-    "llama": Architecture(rope_traditional=True, qk_norm=False),
-    "qwen2": Architecture(rope_traditional=False, qk_norm=False),
-    "qwen3": Architecture(rope_traditional=False, qk_norm=True),
-}
-
-# rope scaling types (`<arch>.rope.scaling.type`) this decoder applies; llama.cpp's default is "linear"
-ROPE_SCALINGS = ("none", "linear")
-
-
-def check_architecture(arch: Any) -> Architecture:
-    """The Architecture of a `general.architecture` value; a ValueError naming it and the supported ones."""
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {arch!r}: this decoder reads {', '.join(ARCHITECTURES)}")
-    return ARCHITECTURES[arch]
-
-
 @dataclass
 class ModelArgs:
     vocab_size: int
@@ -105,31 +87,65 @@ class ModelArgs:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = True
-    rope_freq_factors: tuple[float, ...] | None = None   # Llama 3 scaling: one divisor per frequency
+    rope_freq_factors: tuple[float, ...] | None = None   # one divisor per frequency (Llama 3, Phi-3's long rope)
     rope_scaling_factor: float = 1.0   # linear scaling: positions divided by it (llama.cpp's 1 / freq_scale)
-    architecture: str = "llama"        # a key of ARCHITECTURES: the rope style, q/k norms
+    architecture: str = "llama"        # a key of architectures.ARCHITECTURES
     attention_bias: bool = False       # biases on the q, k and v projections (qwen2)
+    fused_qkv: bool = False            # one attn_qkv matrix in place of three (Phi-3)
+    query_scale: float = 0.0           # attention's score scale; 0: 1 / sqrt(head_dim)
+    attn_logit_softcap: float = 0.0    # scores become tanh(s / cap) * cap (Gemma 2); 0: none
+    final_logit_softcap: float = 0.0   # the same on the logits
+    sliding_window: int = 0            # keys a sliding layer's query sees, itself included; 0: no window
+    sliding_layers: tuple[bool, ...] = ()   # per layer: whether it slides (needs sliding_window)
+    rope_theta_local: float = 0.0      # the sliding layers' rope base; 0: rope_theta
+    rope_scaling_factor_local: float = 1.0  # the sliding layers' linear rope scaling
+    rope_attn_factor: float = 1.0      # rotations multiplied by it (Phi-3's long-rope attention factor)
+    rope_original_context: int = 0     # Phi-3: the context beyond which the long rope factors apply
+    num_experts: int = 0               # a mixture of experts in every layer's MLP (engine/moe.py); 0: dense
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
 
     def __post_init__(self):
         check_architecture(self.architecture)
-        if self.rope_scaling_factor <= 0:
+        if min(self.rope_scaling_factor, self.rope_scaling_factor_local) <= 0:
             raise ValueError(f"rope scaling factor {self.rope_scaling_factor} must be positive")
         if self.head_dim == 0:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
-            raise ValueError(f"rope_freqs has {len(self.rope_freq_factors)} factors, "
+            raise ValueError(f"the rope factors are {len(self.rope_freq_factors)}, "
                              f"a head of {self.head_dim} needs {self.head_dim // 2}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
                              f"of num_key_value_heads ({self.num_key_value_heads})")
+        self.sliding_layers = tuple(bool(b) for b in self.sliding_layers)
+        if self.sliding_window < 0 or bool(self.sliding_window) != any(self.sliding_layers) \
+                or len(self.sliding_layers) not in (0, self.num_hidden_layers):
+            raise ValueError(f"a sliding window of {self.sliding_window} with sliding layers {self.sliding_layers}: "
+                             f"a window needs a flag for each of the {self.num_hidden_layers} layers, some set")
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(f"{self.experts_per_token} experts per token of {self.num_experts}")
+        if ARCHITECTURES[self.architecture].experts and not self.num_experts:
+            raise ValueError(f"a {self.architecture} model needs num_experts")
+
+    @property
+    def spec(self) -> Architecture:
+        return ARCHITECTURES[self.architecture]
 
     @property
     def rope_traditional(self) -> bool:
-        return ARCHITECTURES[self.architecture].rope_traditional
+        return self.spec.rope_traditional
 
     @property
     def qk_norm(self) -> bool:
-        return ARCHITECTURES[self.architecture].qk_norm
+        return self.spec.qk_norm
+
+    @property
+    def attention_scale(self) -> float:
+        return self.query_scale or self.head_dim ** -0.5
+
+    def slides(self, layer: int) -> bool:
+        """Whether that layer attends through the sliding window."""
+        return bool(self.sliding_window) and self.sliding_layers[layer]
 
     @property
     def num_parameters(self) -> int:
@@ -137,64 +153,27 @@ class ModelArgs:
         d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
         attn = d * hd * (2 * self.num_attention_heads + 2 * self.num_key_value_heads)
         attn += hd * (self.num_attention_heads + 2 * self.num_key_value_heads) * self.attention_bias
-        block = attn + 3 * d * f + 2 * d + 2 * hd * self.qk_norm
+        mlp = (d * self.num_experts + 3 * d * self.expert_intermediate_size * self.num_experts
+               if self.num_experts else 3 * d * f)
+        block = attn + mlp + (4 if self.spec.sandwich_norms else 2) * d + 2 * hd * self.qk_norm
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
         return self.vocab_size * d + self.num_hidden_layers * block + d + head
 
     @classmethod
     def from_gguf(cls, metadata: dict[str, Any], tensors: dict[str, gguf.TensorInfo],
                   rope_freq_factors: tuple[float, ...] | None = None) -> ModelArgs:
-        """Read the hyper-parameters from GGUF metadata under the keys llama.cpp reads for the file's
-        architecture (`<arch>.embedding_length`, ...), and biases from the tensors present."""
-        arch = metadata.get("general.architecture")
-        check_architecture(arch)
-
-        def key(name: str, default: Any = None) -> Any:
-            value = metadata.get(f"{arch}.{name}", default)
-            if value is None:
-                raise ValueError(f"GGUF metadata lacks '{arch}.{name}'")
-            return value
-
-        if "token_embd.weight" not in tensors:
-            raise ValueError("GGUF file has no 'token_embd.weight' tensor")
-        if rope_freq_factors is not None and arch != "llama":
-            raise ValueError(f"a {arch} file with rope_freqs.weight: llama.cpp's {arch} graph applies no "
-                             "frequency factors (only llama's does)")
-        scaling = key("rope.scaling.type", "linear")
-        if scaling not in ROPE_SCALINGS:
-            raise ValueError(f"{arch}.rope.scaling.type is {scaling!r}: this decoder applies "
-                             f"{', '.join(ROPE_SCALINGS)}")
-        # llama.cpp: factor 0 (or absent) and type "none" both mean no scaling; "scale_linear" is the old key
-        factor = float(key("rope.scaling.factor", key("rope.scale_linear", 0.0))) if scaling == "linear" else 0.0
-        vocab_size = tensors["token_embd.weight"].shape[0]
-        args = cls(
-            vocab_size=int(key("vocab_size", vocab_size)),
-            hidden_size=int(key("embedding_length")),
-            num_hidden_layers=int(key("block_count")),
-            intermediate_size=int(key("feed_forward_length")),
-            num_attention_heads=int(key("attention.head_count")),
-            num_key_value_heads=int(key("attention.head_count_kv", key("attention.head_count"))),
-            head_dim=int(key("attention.key_length", 0)),
-            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(key("rope.freq_base", 10000.0)),
-            max_position_embeddings=int(key("context_length")),
-            tie_word_embeddings="output.weight" not in tensors,
-            rope_freq_factors=rope_freq_factors,
-            rope_scaling_factor=factor or 1.0,
-            architecture=arch,
-            attention_bias="blk.0.attn_q.bias" in tensors,
-        )
-        # llama.cpp's llama, qwen2 and qwen3 graphs rotate whole heads, with values as wide as keys; so does this one
-        for name in ("rope.dimension_count", "attention.value_length"):
-            if int(key(name, args.head_dim)) != args.head_dim:
-                raise ValueError(f"{arch}.{name} ({metadata[f'{arch}.{name}']}) must equal the head dimension "
-                                 f"({args.head_dim})")
-        return args
+        """Read the hyper-parameters from GGUF metadata under the keys llama.cpp reads for the file's architecture
+        (architectures.read_hparams), with the rope frequency factors the caller read from the file's tensors."""
+        hp = read_hparams(metadata, tensors)
+        if rope_freq_factors is not None and hp["architecture"] not in ("llama", "phi3"):
+            raise ValueError(f"a {hp['architecture']} file with rope frequency factors: llama.cpp's "
+                             f"{hp['architecture']} graph applies none (only llama's and phi3's do)")
+        return cls(**hp, rope_freq_factors=rope_freq_factors)
 
     @classmethod
     def from_shape(cls, shape: ModelShape, context: int = 4096) -> ModelArgs:
         """The decoder's hyper-parameters for a shape of theory/shapes.py, attending to `context` positions;
-        a ValueError when the shape is not the Llama architecture this decoder builds."""
+        a ValueError when the shape is not the Llama architecture this decoder builds from a shape."""
         if not shape.is_llama:
             raise ValueError(f"{shape.name} is not the Llama architecture this decoder builds "
                              "(query/key norms, a sliding window or a mixture of experts)")
@@ -210,24 +189,7 @@ class ModelArgs:
 
     def gguf_metadata(self) -> dict[str, Any]:
         """The metadata llama.cpp needs to load this model, under its architecture's prefix."""
-        a = self.architecture
-        scaling = {f"{a}.rope.scaling.type": "linear", f"{a}.rope.scaling.factor": self.rope_scaling_factor}
-        return {
-            "general.architecture": a,
-            f"{a}.vocab_size": self.vocab_size,
-            f"{a}.context_length": self.max_position_embeddings,
-            f"{a}.embedding_length": self.hidden_size,
-            f"{a}.block_count": self.num_hidden_layers,
-            f"{a}.feed_forward_length": self.intermediate_size,
-            f"{a}.attention.head_count": self.num_attention_heads,
-            f"{a}.attention.head_count_kv": self.num_key_value_heads,
-            f"{a}.attention.key_length": self.head_dim,
-            f"{a}.attention.value_length": self.head_dim,
-            f"{a}.rope.dimension_count": self.head_dim,
-            f"{a}.rope.freq_base": self.rope_theta,
-            **(scaling if self.rope_scaling_factor != 1.0 else {}),
-            f"{a}.attention.layer_norm_rms_epsilon": self.rms_norm_eps,
-        }
+        return hparam_keys(self)
 
 
 @dataclass(frozen=True)
@@ -257,24 +219,54 @@ def rms_norm(norm: nn.RMSNorm, x: mx.array, parts: Parts) -> mx.array:
     return norm(x) if parts.norm is None else parts.norm(x, norm.weight, norm.eps)
 
 
+def window_bias(L: int, T: int, window: int, dtype: mx.Dtype) -> mx.array:
+    """(L, T): 0 where query i of L may see key j of T (the last L keys are the queries' own positions) and -inf
+    elsewhere: causal, and with window > 0 only the `window` newest keys up to the query's own (llama.cpp's
+    LLAMA_SWA_TYPE_STANDARD masks a key at p0 from a query at p1 when p1 - p0 >= window)."""
+    distance = mx.arange(T - L, T)[:, None] - mx.arange(T)[None, :]
+    visible = (distance >= 0) & ((distance < window) if window else True)
+    return mx.where(visible, 0.0, -mx.inf).astype(dtype)
+
+
+def capped_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, bias: mx.array, cap: float) -> mx.array:
+    """Attention whose scores are soft-capped, tanh(s / cap) * cap, before the mask and the softmax (Gemma 2):
+    plain matmuls, since MLX's fused attention has no cap."""
+    B, H, L, D = q.shape
+    n_kv = k.shape[1]
+    q = q.reshape(B, n_kv, H // n_kv, L, D)
+    scores = (q * scale) @ k[:, :, None].swapaxes(-1, -2)
+    if cap:
+        scores = mx.tanh(scores / cap) * cap
+    weights = mx.softmax(scores + bias, axis=-1, precise=True)
+    return (weights @ v[:, :, None]).reshape(B, H, L, D)
+
+
 class Attention(nn.Module):
     parts = MLX_PARTS
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
         d, hd = args.hidden_size, args.head_dim
         self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
-        self.scale = hd ** -0.5
+        self.scale = args.attention_scale
         bias = args.attention_bias
-        self.q_proj = nn.Linear(d, self.n_heads * hd, bias=bias)
-        self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=bias)
-        self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=bias)
+        if args.fused_qkv:   # Phi-3: one matrix, queries then keys then values
+            self.qkv_proj = nn.Linear(d, (self.n_heads + 2 * self.n_kv_heads) * hd, bias=bias)
+        else:
+            self.q_proj = nn.Linear(d, self.n_heads * hd, bias=bias)
+            self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=bias)
+            self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * hd, d, bias=False)
-        # qwen3 normalises each head of the queries and keys; elsewhere the heads pass unchanged
+        # qwen3 and gemma3 normalise each head of the queries and keys; elsewhere the heads pass unchanged
         self.q_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps) if args.qk_norm else nn.Identity()
         self.k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps) if args.qk_norm else nn.Identity()
-        self.head_dim, self.rope_theta = hd, args.rope_theta
-        self.rope_traditional, self.rope_scale = args.rope_traditional, 1.0 / args.rope_scaling_factor
+        self.window = args.sliding_window if args.slides(layer) else 0
+        self.softcap = args.attn_logit_softcap
+        local = self.window and args.rope_theta_local
+        self.head_dim, self.rope_theta = hd, args.rope_theta_local if local else args.rope_theta
+        scaling = args.rope_scaling_factor_local if local else args.rope_scaling_factor
+        self.rope_traditional, self.rope_scale = args.rope_traditional, 1.0 / scaling
+        self.rope_attn_factor = args.rope_attn_factor
         self._rope_freqs = None  # wavelengths; the underscore keeps them out of the parameters
         if args.rope_freq_factors is not None:
             # llama.cpp divides each rotation frequency by its factor; MLX takes wavelengths
@@ -282,15 +274,26 @@ class Attention(nn.Module):
             self._rope_freqs = mx.array(args.rope_theta ** exponents * np.array(args.rope_freq_factors),
                                         dtype=mx.float32)
 
+    @property
+    def plain(self) -> bool:
+        """Whether this layer's attention is the plain causal kind (no window, no cap) that MLX's fused attention,
+        the fused caches and Parts.attend compute."""
+        return not (self.window or self.softcap)
+
     def rope(self, x: mx.array, offset: int) -> mx.array:
         if self.parts.rope is not None:
             return self.parts.rope(x, offset, self.rope_theta, self.rope_traditional)
         base = None if self._rope_freqs is not None else self.rope_theta
-        return mx.fast.rope(x, self.head_dim, traditional=self.rope_traditional, base=base, scale=self.rope_scale,
-                            offset=offset, freqs=self._rope_freqs)
+        x = mx.fast.rope(x, self.head_dim, traditional=self.rope_traditional, base=base, scale=self.rope_scale,
+                         offset=offset, freqs=self._rope_freqs)
+        # llama.cpp multiplies the rotation's cos and sin by the factor: the same as scaling its output
+        return x if self.rope_attn_factor == 1.0 else x * self.rope_attn_factor
 
     def qkv(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """The query, key and value projections of x (kernels.patch may set one fused launch in its place)."""
+        if "qkv_proj" in self:
+            q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+            return tuple(mx.split(self.qkv_proj(x), [q_width, q_width + kv_width], axis=-1))
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def __call__(self, x: mx.array, mask=None, cache: Cache | None = None) -> mx.array:
@@ -302,11 +305,18 @@ class Attention(nn.Module):
         offset = cache.offset if cache is not None else 0
         q, k = self.rope(q, offset), self.rope(k, offset)
         if cache is not None and cache.attends == "fused":   # the cache stores k, v and attends (kvcache.Cache)
+            if not self.plain:
+                raise ValueError(f"{type(cache).__name__} attends by itself, with no sliding window or soft cap: "
+                                 "this model needs a cache that returns its keys")
             out = cache.attend(q, k, v, self.scale, mask)
         else:
             if cache is not None:
-                k, v = cache.update_and_fetch(k, v)  # whole history: (B, Hkv, offset + L, D)
-            if self.parts.attend is not None:
+                k, v = cache.update_and_fetch(k, v)  # the history the cache keeps: (B, Hkv, T, D), newest last
+            if not self.plain:
+                bias = window_bias(L, k.shape[2], self.window, q.dtype)
+                out = capped_attention(q, k, v, self.scale, bias, self.softcap) if self.softcap else \
+                    mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=bias)
+            elif self.parts.attend is not None:
                 out = self.parts.attend(q, k, v, self.scale, mask == "causal")
             elif mask == "causal" and L <= SHORT_QUERIES:
                 out = causal_attention(q, k, v, self.scale)
@@ -320,29 +330,44 @@ class MLP(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        d, f = args.hidden_size, args.intermediate_size
+        if args.spec.fused_up:   # Phi-3: ffn_up holds the gate's rows, then the up projection's
+            self.up_proj = nn.Linear(d, 2 * f, bias=False)
+        else:
+            self.gate_proj = nn.Linear(d, f, bias=False)
+            self.up_proj = nn.Linear(d, f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+        # Gemma's GeGLU: llama.cpp's GELU is the tanh approximation, as MLX's gelu_approx
+        self.act = nn.gelu_approx if args.spec.gelu else nn.silu
 
     def __call__(self, x: mx.array) -> mx.array:
+        if "gate_proj" not in self:
+            gate, up = mx.split(self.up_proj(x), 2, axis=-1)
+            return self.down_proj(self.act(gate) * up)
         if self.parts.mlp is not None:
             return self.parts.mlp(x, self.gate_proj, self.up_proj, self.down_proj)
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class TransformerBlock(nn.Module):
     parts = MLX_PARTS
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
-        self.self_attn = Attention(args)
-        self.mlp = MLP(args)
+        self.self_attn = Attention(args, layer)
+        self.mlp = MoE(args.hidden_size, args.expert_intermediate_size, args.num_experts, args.experts_per_token) \
+            if args.num_experts else MLP(args)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        if args.spec.sandwich_norms:   # Gemma: the attention's and the MLP's outputs are normalised too
+            self.attn_output_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+            self.mlp_output_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, x: mx.array, mask=None, cache: Cache | None = None) -> mx.array:
-        h = x + self.self_attn(rms_norm(self.input_layernorm, x, self.parts), mask, cache)
-        return h + self.mlp(rms_norm(self.post_attention_layernorm, h, self.parts))
+        a = self.self_attn(rms_norm(self.input_layernorm, x, self.parts), mask, cache)
+        h = x + (rms_norm(self.attn_output_norm, a, self.parts) if "attn_output_norm" in self else a)
+        m = self.mlp(rms_norm(self.post_attention_layernorm, h, self.parts))
+        return h + (rms_norm(self.mlp_output_norm, m, self.parts) if "mlp_output_norm" in self else m)
 
 
 class Model(nn.Module):
@@ -352,7 +377,7 @@ class Model(nn.Module):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
+        self.layers = [TransformerBlock(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
@@ -364,7 +389,13 @@ class Model(nn.Module):
     def hidden(self, tokens: mx.array, cache: list[Cache] | None = None) -> mx.array:
         """The last hidden states (B, L, hidden_size), after the final norm: what the LM head reads
         (and what mtp.py's multi-token-prediction heads read)."""
-        return rms_norm(self.norm, self.blocks(self.embed_tokens(tokens), cache), self.parts)
+        return rms_norm(self.norm, self.blocks(self.embed(tokens), cache), self.parts)
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        """The embedding rows of tokens (B, L) -> (B, L, hidden_size), times sqrt(hidden_size) where the
+        architecture scales them (Gemma; llama.cpp scales in float32 before the first layer)."""
+        h = self.embed_tokens(tokens)
+        return h * math.sqrt(self.args.hidden_size) if self.args.spec.embed_scale else h
 
     def blocks(self, h: mx.array, cache: list[Cache] | None = None, first: int = 0, stop: int | None = None
                ) -> mx.array:
@@ -379,7 +410,12 @@ class Model(nn.Module):
     def use(self, parts: Parts) -> Model:
         """Run this model's norms, rotary embedding, attention and MLPs through `parts` (MLX_PARTS: MLX's own);
         returns the model. A part replaces an operation whose contract the file's architecture meets: rope
-        with per-frequency factors or a scaled context, and qwen3's per-head norms, stay MLX's."""
+        with per-frequency factors or a scaled context, and qwen3's per-head norms, stay MLX's; a model whose
+        layers are not the plain Llama block (sliding windows, soft caps, experts, fused projections) is refused."""
+        a = self.args
+        if a.architecture not in ("llama", "qwen2", "qwen3") or a.num_experts or a.fused_qkv:
+            raise ValueError(f"a {a.architecture} model{' with experts' if a.num_experts else ''}: Parts replace "
+                             "the operations of the llama, qwen2 and qwen3 blocks")
         if parts.rope is not None and (self.args.rope_freq_factors is not None or self.args.rope_scaling_factor != 1):
             raise ValueError("this model's rotary embedding has per-frequency factors or a scaled context: "
                              "Parts.rope takes a base alone")
@@ -389,18 +425,26 @@ class Model(nn.Module):
 
     def logits(self, h: mx.array) -> mx.array:
         """The LM head: hidden states (..., hidden_size) -> logits (..., vocab_size)."""
-        if self.args.tie_word_embeddings:
-            return self.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+        logits = self.embed_tokens.as_linear(h) if self.args.tie_word_embeddings else self.lm_head(h)
+        cap = self.args.final_logit_softcap
+        return logits if not cap else mx.tanh(logits / cap) * cap
 
     def make_cache(self, max_size: int | None = None, batch: int = 1, scheme: str = FLOAT, **params) -> list[Cache]:
         """One KV cache per layer for this model, for up to max_size positions (default: the context length):
-        kvquant.make_caches of `scheme` (default the pre-allocated float KVCache; params go to it)."""
+        kvquant.make_caches of `scheme` (default the pre-allocated float KVCache; params go to it). A sliding-window
+        layer's float cache is a kvcache.WindowKVCache, which holds only what its window can reach."""
         a = self.args
         size = max_size or a.max_position_embeddings
         dtype = self.norm.weight.dtype  # embed_tokens.weight may be quantized codes
-        return make_caches(scheme, a.num_hidden_layers, batch, a.num_key_value_heads, a.head_dim, size, dtype,
-                           **params)
+        if params.get("fused") and not all(layer.self_attn.plain for layer in self.layers):
+            raise ValueError(f"fused caches attend without a sliding window or soft cap: this {a.architecture} "
+                             "model needs a cache that returns its keys (fused=False)")
+        if not (scheme == FLOAT and a.sliding_window):
+            return make_caches(scheme, a.num_hidden_layers, batch, a.num_key_value_heads, a.head_dim, size, dtype,
+                               **params)
+        return [WindowKVCache(batch, a.num_key_value_heads, a.head_dim, size, dtype, window=a.sliding_window)
+                if a.slides(i) else make_caches(scheme, 1, batch, a.num_key_value_heads, a.head_dim, size, dtype)[0]
+                for i in range(a.num_hidden_layers)]
 
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}   # the dtypes a model runs in, by name

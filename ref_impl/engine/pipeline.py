@@ -203,7 +203,7 @@ class Stage:
         chunks (sample False) stop at the caches there (their arrays, to evaluate). The LM head reads one
         position, never L."""
         m = self.model
-        h = m.embed_tokens(x) if self.first else x
+        h = m.embed(x) if self.first else x
         h = m.blocks(h, self.caches, self.span.start, self.span.stop)
         if not self.last:
             return h

@@ -84,29 +84,42 @@ def _random_f16(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
 
 def tensor_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Every tensor llama.cpp loads for a model of args' architecture and shape, by GGUF name, in GGUF's
-    order of dimensions reversed (rows first, as numpy and our reader give them)."""
+    order of dimensions reversed (rows first, as numpy and our reader give them; experts first in 3-D ones)."""
     d, hd, q, kv = args.hidden_size, args.head_dim, args.num_attention_heads, args.num_key_value_heads
+    f, e, fe = args.intermediate_size, args.num_experts, args.expert_intermediate_size
     shapes = {"token_embd.weight": (args.vocab_size, d), "output_norm.weight": (d,)}
     if not args.tie_word_embeddings:
         shapes["output.weight"] = (args.vocab_size, d)
+    if args.rope_freq_factors is not None and args.architecture == "phi3":
+        shapes |= {"rope_factors_long.weight": (hd // 2,), "rope_factors_short.weight": (hd // 2,)}
     for i in range(args.num_hidden_layers):
         p = f"blk.{i}."
-        shapes.update({p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,),
-                       p + "attn_q.weight": (q * hd, d), p + "attn_k.weight": (kv * hd, d),
-                       p + "attn_v.weight": (kv * hd, d), p + "attn_output.weight": (d, q * hd),
-                       p + "ffn_gate.weight": (args.intermediate_size, d),
-                       p + "ffn_up.weight": (args.intermediate_size, d),
-                       p + "ffn_down.weight": (d, args.intermediate_size)})
+        shapes.update({p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,), p + "attn_output.weight": (d, q * hd)})
+        if args.fused_qkv:
+            shapes[p + "attn_qkv.weight"] = ((q + 2 * kv) * hd, d)
+        else:
+            shapes.update({p + "attn_q.weight": (q * hd, d), p + "attn_k.weight": (kv * hd, d),
+                           p + "attn_v.weight": (kv * hd, d)})
+        if e:
+            shapes.update({p + "ffn_gate_inp.weight": (e, d), p + "ffn_gate_exps.weight": (e, fe, d),
+                           p + "ffn_up_exps.weight": (e, fe, d), p + "ffn_down_exps.weight": (e, d, fe)})
+        elif args.spec.fused_up:
+            shapes.update({p + "ffn_up.weight": (2 * f, d), p + "ffn_down.weight": (d, f)})
+        else:
+            shapes.update({p + "ffn_gate.weight": (f, d), p + "ffn_up.weight": (f, d), p + "ffn_down.weight": (d, f)})
         if args.attention_bias:
             shapes.update({p + "attn_q.bias": (q * hd,), p + "attn_k.bias": (kv * hd,), p + "attn_v.bias": (kv * hd,)})
         if args.qk_norm:
             shapes.update({p + "attn_q_norm.weight": (hd,), p + "attn_k_norm.weight": (hd,)})
+        if args.spec.sandwich_norms:
+            shapes.update({p + "post_attention_norm.weight": (d,), p + "post_ffw_norm.weight": (d,)})
     return shapes
 
 
 def write_random_model(path: str | Path, args: ModelArgs, file_type: str = "Q4_K", seed: int = 0,
                        tokenizer: dict[str, Any] | None = None) -> Path:
-    """A GGUF of args' architecture (llama, qwen2, qwen3) and shape with random weights, typed per tensor
+    """A GGUF of args' architecture (any of architectures.ARCHITECTURES; Phi-3's with random long and short rope
+    factors where args has rope factors) and shape with random weights, typed per tensor
     as llama.cpp's quantizer would type a `file_type` file (quantize.tensor_types: "Q4_K_M" mixes Q4_K and
     Q6_K; "Q4_K", "Q8_0", "F16", "F32", ...), vectors (norms, biases) F32 as llama.cpp's converter writes
     them -- for speed measurements, e.g. Llama-3.1-8B:
@@ -125,16 +138,20 @@ def write_random_model(path: str | Path, args: ModelArgs, file_type: str = "Q4_K
     tensors = {}
     for name, t in quantize.tensor_types(infos, file_type).items():
         shape = shapes[name]
+        rows = int(np.prod(shape[:-1]))   # an expert tensor's experts stacked as more rows
         if name.endswith(".bias"):
             tensors[name] = rng.uniform(-0.5, 0.5, shape).astype(np.float32)
+        elif name.startswith("rope_factors"):   # Phi-3's per-frequency divisors: above 1, as trained ones are
+            tensors[name] = rng.uniform(1.0, 4.0, shape).astype(np.float32)
         elif len(shape) == 1:
             tensors[name] = rng.uniform(0.5, 1.5, shape).astype(np.float32)
         elif t == "F32":
-            tensors[name] = _random_f16(*shape, rng).astype(np.float32)
+            tensors[name] = _random_f16(rows, shape[-1], rng).astype(np.float32).reshape(shape)
         elif t == "F16":
-            tensors[name] = _random_f16(*shape, rng)
+            tensors[name] = _random_f16(rows, shape[-1], rng).reshape(shape)
         else:
-            tensors[name] = gguf.TensorData(ggml.GGMLType[t], shape, random_blocks(t, *shape, rng))
+            blocks = random_blocks(t, rows, shape[-1], rng)
+            tensors[name] = gguf.TensorData(ggml.GGMLType[t], shape, blocks.reshape(*shape[:-1], -1))
     # no tokenizer ("none"): llama.cpp then adds vocab_size dummy tokens, which is all llama-bench needs
     meta = {**args.gguf_metadata(), "general.file_type": quantize.FILE_TYPES[file_type].ftype}
     vocab = {k: v for k, v in (tokenizer or {}).items() if k.startswith("tokenizer.")}

@@ -77,7 +77,7 @@ class _Recorder:
 def capture_keys_values(model: Model, tokens: mx.array) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Per layer (keys before RoPE, keys after RoPE, values), each (B, n_kv_heads, L, head_dim),
     for tokens (B, L) run through the model without a cache (see the module docstring)."""
-    h = model.embed_tokens(tokens)
+    h = model.embed(tokens)
     B, L, _ = h.shape
     mask = "causal" if L > 1 else None
     out = []

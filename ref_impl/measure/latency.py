@@ -53,7 +53,7 @@ def _prompt(model: Model, n: int, seed: int) -> list[int]:
 def decode_layerwise(model: Model, token: mx.array, cache: list[KVCache]) -> mx.array:
     """`generate.decode_one_token` with an `mx.eval` after every transformer block: the host waits
     n_layers times per token, as when intermediate outputs are read back (C01). Token (B,) -> logits (B, V)."""
-    h = model.embed_tokens(token[:, None])
+    h = model.embed(token[:, None])
     for layer, layer_cache in zip(model.layers, cache):
         h = layer(h, None, layer_cache)   # one position: no mask, as Model.__call__ passes
         mx.eval(h)
