@@ -112,6 +112,8 @@ def read_hparams(metadata: dict[str, Any], tensors: dict[str, gguf.TensorInfo]) 
         tie_word_embeddings="output.weight" not in tensors, rope_scaling_factor=factor or 1.0,
         architecture=arch, attention_bias="blk.0.attn_q.bias" in tensors,
         fused_qkv="blk.0.attn_qkv.weight" in tensors)
+    if arch == "gemma2" and "output.weight" in tensors:
+        raise ValueError("a gemma2 file with output.weight: llama.cpp's gemma2 graph ties the output to token_embd")
     if arch in LARGEST_GEMMA_LAYERS and n_layers == LARGEST_GEMMA_LAYERS[arch]:
         hp["query_scale"] = 1 / math.sqrt(d // heads)
     if arch == "gemma2":
@@ -136,10 +138,10 @@ def read_hparams(metadata: dict[str, Any], tensors: dict[str, gguf.TensorInfo]) 
             raise ValueError(f"a {arch} file with expert tensors (blk.0.ffn_gate_inp): this decoder runs experts "
                              "in llama and qwen3moe files")
         used = int(key("expert_used_count"))
+        # llama.cpp's llama graph sizes its experts by feed_forward_length; qwen3moe reads its own key
         hp.update(num_experts=int(key("expert_count")), experts_per_token=used,
-                  expert_intermediate_size=int(key("expert_feed_forward_length",
-                                                   hp["intermediate_size"] if arch == "llama"
-                                                   else hp["intermediate_size"] // used)))
+                  expert_intermediate_size=hp["intermediate_size"] if arch == "llama"
+                  else int(key("expert_feed_forward_length", hp["intermediate_size"] // used)))
     elif spec.experts:
         raise ValueError(f"a {arch} file needs expert tensors (blk.0.ffn_gate_inp.weight), and this one has none")
     # llama.cpp's graphs here rotate whole heads, with values as wide as keys; so does this decoder

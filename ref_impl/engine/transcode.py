@@ -82,6 +82,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ref_impl.engine.moe import QuantizedExperts
 from ref_impl.formats import gguf, iquants, kquants
 from ref_impl.formats.ggml import BLOCK, GGMLType
 
@@ -343,6 +344,21 @@ def transcode_tensor(name: str, type: GGMLType, data: np.ndarray, shape: tuple[i
     return Affine(weight, scales, biases, bits)
 
 
+def transcode_stacked(name: str, type: GGMLType, data: np.ndarray, shape: tuple[int, ...]) -> Affine:
+    """Rewrite a stack of matrices (n, rows, n_in), such as a MoE layer's experts (uint8 (n, rows, row_bytes),
+    as GGUFFile.array gives them), as MLX affine arrays stacked the same way: weight (n, rows, packed),
+    scales and biases (n, rows, n_in / 32), for mx.gather_qmm. No GGML block crosses a row, so the stack
+    is transcoded as one (n * rows, n_in) matrix by transcode_tensor: each expert gets the 2-D rule of its type."""
+    if len(shape) != 3:
+        raise ValueError(f"tensor {name!r}: a stack of matrices has 3 dimensions, got shape {shape}")
+    n, rows, n_in = shape
+    if data.ndim != 3 or data.shape[:2] != (n, rows):
+        raise ValueError(f"tensor {name!r}: {type.name} data of shape {data.shape} does not hold "
+                         f"{n} matrices of {rows} rows")
+    a = transcode_tensor(name, type, data.reshape(n * rows, -1), (n * rows, n_in))
+    return Affine(*(x.reshape(n, rows, -1) for x in (a.weight, a.scales, a.biases)), a.bits, a.group_size)
+
+
 # --- the model -----------------------------------------------------------------------------------
 
 def plan(f: gguf.GGUFFile) -> dict[str, Plan]:
@@ -352,7 +368,7 @@ def plan(f: gguf.GGUFFile) -> dict[str, Plan]:
         t = info.type
         if t in FLOAT_TYPES:
             bits, reason = None, f"{t.name} is a float type"
-        elif len(info.shape) != 2:
+        elif len(info.shape) not in (2, 3):    # 3: a MoE layer's stacked experts
             bits, reason = None, "vectors (norms, rope factors) stay float"
         elif t in REPACK:
             bits, reason = REPACK[t][0], REASONS.get(t, "codes re-packed, exact")
@@ -366,7 +382,8 @@ def plan(f: gguf.GGUFFile) -> dict[str, Plan]:
 def swap_quantized(model: nn.Module, f: gguf.GGUFFile, names: dict[str, str], scale_dtype: mx.Dtype
                    ) -> dict[str, list[tuple[str, mx.array]]]:
     """Swap every matrix of `model` that `f` holds in a mapped GGML type for a QuantizedLinear or
-    QuantizedEmbedding with the file's bits, and return the arrays to load into it, by GGUF name:
+    QuantizedEmbedding (a MoE layer's stacked experts: a moe.QuantizedExperts) with the file's bits, and
+    return the arrays to load into it, by GGUF name:
     its codes, and its scales and biases in `scale_dtype` (float32 makes every mapping but Q6_K exact;
     with float16 activations it also makes matmuls return float32). A projection's own bias (qwen2's q, k, v)
     stays a float parameter of the new layer, loaded like the norms.
@@ -378,7 +395,7 @@ def swap_quantized(model: nn.Module, f: gguf.GGUFFile, names: dict[str, str], sc
     modules = dict(model.named_modules())
     table = plan(f)
     fallbacks = sorted({p.ggml_type for p in table.values()
-                        if p.bits is None and len(p.shape) == 2 and p.ggml_type not in FLOAT_NAMES})
+                        if p.bits is None and len(p.shape) in (2, 3) and p.ggml_type not in FLOAT_NAMES})
     if fallbacks:
         log.warning("no MLX affine mapping for %s: those tensors are expanded to floats", ", ".join(fallbacks))
     swaps, weights = [], {}
@@ -386,10 +403,13 @@ def swap_quantized(model: nn.Module, f: gguf.GGUFFile, names: dict[str, str], sc
         if table[name].bits is None:
             continue
         info = f.tensors[name]
-        a = transcode_tensor(name, info.type, f.array(name), info.shape)
+        stacked = len(info.shape) == 3               # a MoE layer's experts (moe.Experts)
+        a = (transcode_stacked if stacked else transcode_tensor)(name, info.type, f.array(name), info.shape)
         path = mlx_name.rsplit(".", 1)[0]
-        rows, n = info.shape
-        if isinstance(modules[path], nn.Embedding):
+        rows, n = info.shape[-2:]
+        if stacked:
+            q = QuantizedExperts(info.shape[0], n, rows, group_size=a.group_size, bits=a.bits)
+        elif isinstance(modules[path], nn.Embedding):
             q = nn.QuantizedEmbedding(rows, n, group_size=a.group_size, bits=a.bits)
         else:
             q = nn.QuantizedLinear(n, rows, bias="bias" in modules[path], group_size=a.group_size, bits=a.bits)

@@ -199,11 +199,13 @@ def patch(model: nn.Module, rows: Sequence[int] = (1,), measure: bool = True, fu
     model.update_modules(tree_unflatten(swaps))
     mlps, qkvs = [], []
     if fuse:
+        # the fused gate-up kernel computes SwiGLU: Gemma's GeGLU and Phi-3's one gate-up matrix step aside
         mlps = [(name, GatedMLP(m)) for name, m in model.named_modules()
-                if type(m) is MLP and _fusable((m.gate_proj, m.up_proj), same_n=True)]
+                if type(m) is MLP and m.act is nn.silu and "gate_proj" in m
+                and _fusable((m.gate_proj, m.up_proj), same_n=True)]
         model.update_modules(tree_unflatten(mlps))
         for _, m in model.named_modules():
-            if isinstance(m, Attention) and _fusable((m.q_proj, m.k_proj, m.v_proj), same_n=False):
+            if isinstance(m, Attention) and "q_proj" in m and _fusable((m.q_proj, m.k_proj, m.v_proj), same_n=False):
                 m.qkv = FusedQKV(m.q_proj, m.k_proj, m.v_proj)   # replaces Attention.qkv on this instance
                 qkvs.append(m.qkv)
     choices = []
