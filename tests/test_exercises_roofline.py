@@ -1,4 +1,4 @@
-"""Chapter "The roofline" (book/intro/roofline), Tasks 1 to 4: the checkers accept right answers worked
+"""Chapter "The roofline" (book/intro/roofline), Tasks 1 to 5: the checkers accept right answers worked
 from first principles and reject the usual wrong ones with a hint that names the mistake.
 `pytest tests/test_exercises_roofline.py -k task_2` selects one task."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from ref_impl import exercises as ex
+from ref_impl.exercises import roofline as ex_roofline
 from ref_impl.theory import shapes
 
 # Llama-3.1-8B (meta-llama/Llama-3.1-8B config.json): vocab 128256, hidden 4096, 32 layers,
@@ -208,3 +209,85 @@ def test_task_4_rejects_the_compute_bound():
     compute = 165.2e12 / (2 * 7_504_658_432 + 4 * 32 * 128 * 32 * 1)
     r = ex.check_decode_tokens_per_s(compute, hardware="RTX 4090", bits_per_weight=16, context=1)
     assert not r.ok and "compute bound" in r.message
+
+
+# Task 5: weight bytes a mixture of experts reads per token -----------------------------------
+
+def active_bytes_by_hand(s, bits):
+    """A token's weights: attention, router and experts_per_token experts per layer, plus the rest as Task 1."""
+    d, layers = s.hidden_size, s.num_hidden_layers
+    dense_like = params_by_hand(s)                                             # attention, dense MLP, norms, embeddings
+    routed = layers * (d * s.num_experts + s.experts_per_token * 3 * d * s.expert_intermediate_size)
+    return (dense_like + routed) * bits / 8
+
+
+# Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B config.json), 4.5 bits/weight:
+#   per layer: attention 2 x 2048 x 4096 + 2 x 2048 x 512 = 18,874,368; router 2048 x 128 = 262,144;
+#              8 experts x 3 x 2048 x 768 = 37,748,736; norms 4,352
+#   48 layers x 56,889,600 + embedding and LM head 2 x 151936 x 2048 (622,329,856) + 2,048 = 3,353,032,704
+#   x 4.5 / 8 = 1,886,080,896 bytes (all 128 experts: 30,532,122,624 weights, 17,174,318,976 bytes)
+T5_PARAMS, T5_RIGHT, T5_TOTAL = 3_353_032_704, 1_886_080_896, 17_174_318_976
+QWEN_MOE = shapes.shape("Qwen3-30B-A3B")
+
+
+def test_task_5_hand_numbers_agree_with_the_hand_formula():
+    assert active_bytes_by_hand(QWEN_MOE, 4.5) == T5_RIGHT == T5_PARAMS * 4.5 / 8
+
+
+def test_task_5_accepts_the_right_number_and_a_right_function():
+    assert ex_roofline.check_moe_bytes_per_token(T5_RIGHT).ok
+    r = ex_roofline.check_moe_bytes_per_token(active_bytes_by_hand)
+    assert r.ok and "4 cases" in r.message, r.message
+
+
+def test_task_5_rejects_all_experts():
+    r = ex_roofline.check_moe_bytes_per_token(T5_TOTAL)
+    assert not r.ok and "all 128 experts" in r.message
+
+
+def test_task_5_rejects_a_forgotten_router():
+    # 48 x 262,144 = 12,582,912 router weights: 0.38% of the read, past the task's 0.1%
+    r = ex_roofline.check_moe_bytes_per_token((T5_PARAMS - 12_582_912) * 4.5 / 8)
+    assert not r.ok and "forgot the router" in r.message
+    r = ex_roofline.check_moe_bytes_per_token(
+        lambda s, bits: active_bytes_by_hand(s, bits) - s.num_hidden_layers * s.hidden_size * s.num_experts * bits / 8)
+    assert not r.ok and "forgot the router" in r.message
+
+
+def test_task_5_rejects_a_left_out_embedding_table():
+    # the course counts the untied table whole, as Task 1 does; a lookup of one row reads 2048 weights of it
+    r = ex_roofline.check_moe_bytes_per_token((T5_PARAMS - 151936 * 2048 + 2048) * 4.5 / 8)
+    assert not r.ok and "embedding table" in r.message and "upper bound" in r.message
+
+
+def test_task_5_rejects_attention_per_expert():
+    # attention counted 8 times: + 7 x 48 x 18,874,368 weights
+    r = ex_roofline.check_moe_bytes_per_token((T5_PARAMS + 7 * 48 * 18_874_368) * 4.5 / 8)
+    assert not r.ok and "attention is shared" in r.message
+
+
+def test_task_5_rejects_two_matrix_experts_and_one_layer_of_experts():
+    r = ex_roofline.check_moe_bytes_per_token((T5_PARAMS - 48 * 8 * 2048 * 768) * 4.5 / 8)
+    assert not r.ok and "three matrices" in r.message
+    r = ex_roofline.check_moe_bytes_per_token((T5_PARAMS - 47 * 37_748_736) * 4.5 / 8)
+    assert not r.ok and "every layer has its own experts" in r.message
+
+
+def test_task_5_rejects_bits_for_bytes_and_gb():
+    assert "bits vs bytes" in ex_roofline.check_moe_bytes_per_token(T5_PARAMS * 4.5).message
+    assert "in GB" in ex_roofline.check_moe_bytes_per_token(T5_RIGHT / 1e9).message
+
+
+def test_task_5_a_function_that_ignores_tied_embeddings_fails_on_the_dense_case():
+    def always_untied(s, bits):
+        extra = 0 if not s.tie_word_embeddings else s.vocab_size * s.hidden_size
+        return active_bytes_by_hand(s, bits) + extra * bits / 8
+    r = ex_roofline.check_moe_bytes_per_token(always_untied)
+    assert not r.ok and "Qwen3-4B" in r.message and "counted once" in r.message
+
+
+def test_task_5_a_stub_is_not_written_yet():
+    def stub(s, bits):
+        raise NotImplementedError
+    r = ex_roofline.check_moe_bytes_per_token(stub)
+    assert not r.ok and "not written yet" in r.message

@@ -35,10 +35,11 @@ import mlx.nn as nn
 import numpy as np
 
 from ref_impl import MODELS_DIR, kernels
-from ref_impl.engine.checkpoint import load
+from ref_impl.engine.checkpoint import load, load_model
 from ref_impl.engine.generate import Sampler, generate_step
 from ref_impl.engine.model import ModelArgs, TransformerBlock
-from ref_impl.engine.random import args_for, random_model
+from ref_impl.engine.random import args_for, random_model, write_random_model
+from ref_impl.formats import gguf
 from ref_impl.kernels import cuda, fusedlayer, fusedlayer_cuda, layers
 from ref_impl.measure import kernels as suite
 from ref_impl.measure.kernels import bench_kernels
@@ -1037,6 +1038,60 @@ def test_fused_decoder_keeps_greedy_tokens():
         agree_teacher_forced(ref, model, prompt, want, f"{quant} fused layers")
         assert want == ids
         assert kernels.count_kernels(model) < kernels.count_kernels(ref) / 2
+
+
+# One random file per architecture the decoder reads, shaped so that every K-quant row fills whole super-blocks.
+ARCH_FILES = {
+    "llama": dict(architecture="llama", tie_word_embeddings=False),
+    "qwen2": dict(architecture="qwen2", attention_bias=True),
+    "qwen3": dict(architecture="qwen3"),
+    "gemma2": dict(architecture="gemma2", sliding_window=8, sliding_layers=(True, False), attn_logit_softcap=50.0,
+                   final_logit_softcap=30.0, rope_theta_local=10000.0),
+    "gemma3": dict(architecture="gemma3", sliding_window=8, sliding_layers=(True, False), tie_word_embeddings=False,
+                   rope_theta_local=10000.0),
+    "phi3": dict(architecture="phi3", fused_qkv=True, tie_word_embeddings=False),
+    "qwen3moe": dict(architecture="qwen3moe", num_experts=8, experts_per_token=2, expert_intermediate_size=256),
+}
+
+
+def arch_file(arch: str, file_type: str, work: Path) -> Path:
+    args = ModelArgs(vocab_size=512, hidden_size=256, num_hidden_layers=2, intermediate_size=512,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
+                     **ARCH_FILES[arch])
+    return write_random_model(work / f"{arch}-{file_type}.gguf", args, file_type, seed=3)
+
+
+def test_fused_layers_step_aside_for_other_architectures(tmp_path):
+    """The fused decoder layer is the llama/qwen2 block: every other architecture's layer names why it stays MLX's."""
+    reasons = {"qwen2": "a bias", "qwen3": "query/key norms", "gemma2": "sliding-window or soft-capped attention",
+               "gemma3": "query/key norms", "phi3": "fused q-k-v and gate-up matrices", "qwen3moe": "query/key norms"}
+    for arch in ARCH_FILES:
+        with gguf.read(arch_file(arch, "F16", tmp_path)) as f:
+            block = load_model(f, mx.float16).layers[0]
+        why = fusedlayer.why_not(block)
+        assert (why is None) if arch not in reasons else (why is not None and reasons[arch] in why), (arch, why)
+
+
+@cuda_only
+def test_every_architecture_keeps_greedy_tokens():
+    """Each architecture in float16 and in Q4_K_M held natively, with our GEMVs, fused groups and fused layers
+    swapped in where they apply (and stepping aside where they do not): the same greedy tokens as MLX's
+    built-ins, teacher-forced logits equal but for near ties."""
+    prompt = [3, 17, 42, 5, 96, 11, 64, 23]
+    with tempfile.TemporaryDirectory() as work:
+        for arch in ARCH_FILES:
+            for file_type in ("F16", "Q4_K_M"):
+                path = arch_file(arch, file_type, Path(work))
+                with gguf.read(path) as f:
+                    ref = load_model(f, mx.float16, quantized=file_type != "F16")
+                    model = load_model(f, mx.float16, quantized=file_type != "F16")
+                choices = kernels.patch(model, rows=(1, 4), measure=False, fuse=True)
+                assert all(not c.errors for c in choices), [c.errors for c in choices if c.errors]
+                left = fusedlayer.fuse(model)
+                want, ids = greedy(ref, prompt, 24), greedy(model, prompt, 24)
+                print(f"  {arch} {file_type}: {sum(c.launch is not None for c in choices)} kernel choices, "
+                      f"{len(model.layers) - len(left)} fused layers; greedy tokens equal: {want == ids}", flush=True)
+                agree_teacher_forced(ref, model, prompt, want, f"{arch} {file_type}")
 
 
 # Last: a fault here is sticky for the whole process (as a script it runs in a child process).

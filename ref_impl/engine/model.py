@@ -185,7 +185,9 @@ class ModelArgs:
         """This model as a shape of theory/shapes.py, for the roofline's arithmetic."""
         return ModelShape(name, self.vocab_size, self.hidden_size, self.num_hidden_layers, self.intermediate_size,
                           self.num_attention_heads, self.num_key_value_heads, self.head_dim,
-                          self.tie_word_embeddings, "ref_impl.engine.model.ModelArgs", qk_norm=self.qk_norm)
+                          self.tie_word_embeddings, "ref_impl.engine.model.ModelArgs", qk_norm=self.qk_norm,
+                          num_experts=self.num_experts, experts_per_token=self.experts_per_token,
+                          expert_intermediate_size=self.expert_intermediate_size)
 
     def gguf_metadata(self) -> dict[str, Any]:
         """The metadata llama.cpp needs to load this model, under its architecture's prefix."""

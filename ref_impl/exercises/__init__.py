@@ -49,6 +49,7 @@ from ref_impl.exercises.roofline import (
     check_bytes_per_token,
     check_decode_tokens_per_s,
     check_matmul_intensity,
+    check_moe_bytes_per_token,
     check_ridge_point,
 )
 from ref_impl.exercises.signalling import check_bus_bandwidth, check_encode_pam3
@@ -58,6 +59,7 @@ __all__ = [
     "RTOL", "Result",
     # chapter "The roofline"
     "check_bytes_per_token", "check_matmul_intensity", "check_ridge_point", "check_decode_tokens_per_s",
+    "check_moe_bytes_per_token",
     # "GGUF: file layout and alignment", "Super-blocks: K-quants"
     "check_next_offset", "check_zero_copy_view",
     "check_bits_per_weight", "check_unpack_scales", "check_decode_q4_k",

@@ -1,7 +1,8 @@
-"""Exercises of chapter "The roofline" (book/intro/roofline): Tasks 1 to 4.
+"""Exercises of chapter "The roofline" (book/intro/roofline): Tasks 1 to 5.
 
-Bytes per decoded token, a matmul's arithmetic intensity, a machine's ridge point and the decode
-tokens/s bound, each checked against `theory.roofline` on public model shapes (`theory.shapes`).
+Bytes per decoded token, a matmul's arithmetic intensity, a machine's ridge point, the decode
+tokens/s bound and the weight bytes a mixture of experts reads per token, each checked against
+`theory.roofline` on public model shapes (`theory.shapes`).
 Tests: `pytest tests/test_exercises_roofline.py -k task_1` (or `task_2`, ...).
 
 See chapter: intro-roofline
@@ -146,3 +147,57 @@ def check_decode_tokens_per_s(answer: float | Callable, hardware: str = "Apple M
              _decode_case("Apple M5 Max", "Gemma-3-12B", 4.5, 1000)]
     return judge_cases("Task 4", answer, cases, "tokens/s",
                        "tokens/s = bandwidth (bytes/s) / bytes per token (Task 1).")
+
+
+# Task 5 -------------------------------------------------------------------------------------
+
+MOE_RTOL = 1e-3  # exact arithmetic on integer counts; 1% would hide the router (0.4% of Qwen3-30B-A3B's reads)
+
+
+def _moe_case(model: str, bits: float):
+    s = shapes.shape(model)
+    right, b = rl.active_weight_bytes(s, bits), bits / 8
+    layers, d, k = s.num_hidden_layers, s.hidden_size, s.experts_per_token
+    mistakes = [(8 * right, f"bits vs bytes? A weight at {bits:g} bits is {bits / 8:g} bytes."),
+                *unit_slips(right, "bytes")]
+    if s.tie_word_embeddings:
+        mistakes.append((right + s.vocab_size * d * b, "tied embeddings: the input embedding is the LM head's "
+                                                       "matrix, counted once."))
+    else:
+        mistakes.append((right - s.vocab_size * d * b,
+                         "you left out the input embedding table. A token's lookup reads one row of it, but this "
+                         "course counts the untied table whole, as Task 1 and roofline.active_weight_bytes do "
+                         "(an upper bound), and as model cards count active parameters."))
+    if s.is_moe:
+        attention = layers * d * s.head_dim * 2 * (s.num_attention_heads + s.num_key_value_heads)
+        experts = layers * k * rl.expert_params(s)
+        mistakes += [
+            (rl.weight_bytes(s, bits), f"you counted all {s.num_experts} experts of each layer: that is what the "
+                                       f"model stores; a token reads only the {k} its router picks."),
+            (right - layers * d * s.num_experts * b, "you forgot the router: a hidden_size × num_experts matrix "
+                                                     "per layer, read by every token to pick its experts."),
+            (right + (k - 1) * attention * b, "attention is shared: a token runs q, k, v and o once per layer; "
+                                              "only the MLP is split into experts."),
+            (right - experts / 3 * b, "an expert is a gated MLP: three matrices (gate, up, down) of hidden_size × "
+                                      "expert_intermediate_size, not two."),
+            (right - experts * (layers - 1) / layers * b, "every layer has its own experts: experts_per_token "
+                                                          "experts in each layer."),
+        ]
+    return (s, bits), f"{model}, {bits:g} bits/weight", right, mistakes
+
+
+def check_moe_bytes_per_token(answer: float | Callable, model: str = "Qwen3-30B-A3B",
+                              bits_per_weight: float = 4.5) -> Result:
+    """Task 5: weight bytes a mixture of experts reads to decode one token, only its active experts.
+
+    `answer` is a number of bytes for (`model`, `bits_per_weight`), or a function
+    `f(shape: ModelShape, bits_per_weight) -> bytes` called on Qwen3-30B-A3B, Mixtral-8x7B and a dense
+    shape: attention, router and `experts_per_token` experts per layer, the LM head, the embedding
+    unless tied (counted whole, as in Task 1) and the norms. Within 0.1% of
+    `roofline.active_weight_bytes`.
+    """
+    cases = [_moe_case(model, bits_per_weight), _moe_case("Mixtral-8x7B", 4.5), _moe_case("Qwen3-4B", 8),
+             _moe_case("Qwen3-30B-A3B", 16)]
+    return judge_cases("Task 5", answer, cases, "bytes",
+                       "bytes = (attention + router + k experts, every layer; LM head; embedding unless tied; "
+                       "norms) × b / 8.", rtol=MOE_RTOL)

@@ -29,7 +29,7 @@ from ref_impl.measure.records import FLOAT_KV
 from ref_impl.theory import interconnect, shapes
 from ref_impl.training.corpus import heldout_stream
 
-KV_TABLES = "measure.kv.memory_table (the caches' real nbytes; shapes from config.json: shapes.PUBLIC, shapes.KV_ONLY)"
+KV_TABLES = "measure.kv.memory_table (the caches' real nbytes; shapes from config.json: shapes.PUBLIC)"
 KV_BENCH = "python -m ref_impl bench --kv"
 CONTEXT_64K = 65536
 CLASS_35B = ("Qwen3-32B", "Qwen3-30B-A3B")   # the sourced shapes of the claim's 30-35B class (32.8B and 30.5B)

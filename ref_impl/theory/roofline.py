@@ -15,6 +15,12 @@ weights plus the KV cache read. Processing a prompt (prefill) multiplies the sam
 a matrix of N tokens (GEMM): N times the FLOPs for the same weight bytes, hundreds of
 FLOP/byte (C26), so time to first token grows with N and is set by compute (C14).
 
+A mixture of experts (MoE) changes the weight term: a token reads the shared weights and only the
+`experts_per_token` experts its router picks in each layer, so one token costs its *active* weights,
+not all it stores. A pass of n tokens reads every expert any of them picks: under uniform routing
+E(1 - (1 - k/E)^n) per layer, which tends to all E as n grows, so a large batch or a prefill pays
+the total again.
+
 Conventions: GB is 1e9 bytes; `context` is the number of positions a token attends to, its
 own included, which is also the KV cache length it reads; `bits_per_weight` is the average
 storage of a weight (16 for bf16, ~4.5 for Q4_K); KV entries default to 2 bytes.
@@ -26,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ref_impl.theory.shapes import ModelShape
+from ref_impl.theory.shapes import ModelShape, dense_counterpart
 
 
 @dataclass(frozen=True)
@@ -81,29 +87,83 @@ HARDWARE: dict[str, Hardware] = {hw.name: hw for hw in (
 
 
 def matmul_shapes(shape: ModelShape) -> list[tuple[int, int]]:
-    """(in, out) of every matrix a token passes through: q, k, v, o, gate, up, down per layer, LM head."""
-    d, f = shape.hidden_size, shape.intermediate_size
+    """(in, out) of every matrix one token passes through: q, k, v, o and the MLP's gate, up, down per layer
+    (a MoE: the router and the gate, up, down of each of the `experts_per_token` experts), and the LM head."""
+    d, f, f_e = shape.hidden_size, shape.intermediate_size, shape.expert_intermediate_size
     q, kv = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
-    return [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)] * shape.num_hidden_layers + [
-        (d, shape.vocab_size)]
+    layer = [(d, q), (d, kv), (d, kv), (q, d)]
+    if f:
+        layer += [(d, f), (d, f), (f, d)]
+    if shape.is_moe:
+        layer += [(d, shape.num_experts)] + [(d, f_e), (d, f_e), (f_e, d)] * shape.experts_per_token
+    return layer * shape.num_hidden_layers + [(d, shape.vocab_size)]
 
 
 def matmul_params(shape: ModelShape) -> int:
-    """Weights multiplied by every token: attention and MLP matrices of each layer, and the LM head."""
+    """Weights multiplied by every token: attention and MLP matrices of each layer (a MoE: the router and
+    the routed experts only), and the LM head."""
     return sum(k * m for k, m in matmul_shapes(shape))
 
 
-def param_count(shape: ModelShape) -> int:
-    """All weights: the matrices, the input embedding unless tied to the LM head, and the norms."""
+def expert_params(shape: ModelShape) -> int:
+    """Weights of one expert, a gated MLP of three d x expert_intermediate_size matrices (0: a dense shape)."""
+    return 3 * shape.hidden_size * shape.expert_intermediate_size
+
+
+def active_param_count(shape: ModelShape) -> int:
+    """Weights one token uses: the matrices it passes through, the input embedding unless tied, the norms.
+
+    The embedding table is counted whole, as `param_count` counts it and as model cards count "active"
+    parameters; a token's lookup reads one row of it, so the bytes it implies are an upper bound.
+    For a dense shape it is `param_count`.
+    """
     d = shape.hidden_size
     norms = shape.num_hidden_layers * (shape.norms_per_layer * d + 2 * shape.head_dim * shape.qk_norm) + d
     embedding = 0 if shape.tie_word_embeddings else shape.vocab_size * d
     return matmul_params(shape) + embedding + norms
 
 
+def param_count(shape: ModelShape) -> int:
+    """All weights stored: the active ones (`active_param_count`) and the experts a token is not routed to."""
+    idle = shape.num_hidden_layers * (shape.num_experts - shape.experts_per_token) * expert_params(shape)
+    return active_param_count(shape) + idle
+
+
 def weight_bytes(shape: ModelShape, bits_per_weight: float) -> float:
-    """Bytes of all weights stored at `bits_per_weight` (an untied embedding counted too, an upper bound)."""
+    """Bytes of all weights stored at `bits_per_weight` (every expert, an untied embedding): what must fit in memory."""
     return param_count(shape) * bits_per_weight / 8
+
+
+def active_weight_bytes(shape: ModelShape, bits_per_weight: float) -> float:
+    """Bytes of weights one decoded token reads: its active weights (a MoE: k experts a layer, not all of them).
+
+    Equal to `weight_bytes` for a dense shape; the untied embedding is counted whole (an upper bound).
+    """
+    return active_param_count(shape) * bits_per_weight / 8
+
+
+def expected_distinct_experts(num_experts: int, experts_per_token: int, n_tokens: int) -> float:
+    """Experts of one layer that n tokens read together, expected under uniform routing: E(1 - (1 - k/E)^n).
+
+    A token picks k distinct experts of E, so it misses a given one with probability 1 - k/E, and n
+    independent tokens all miss it with (1 - k/E)^n: 1 token reads k, a large batch or prompt nearly E.
+    """
+    if not (0 <= experts_per_token <= num_experts and n_tokens >= 0):
+        raise ValueError(f"need 0 <= experts_per_token ({experts_per_token}) <= num_experts ({num_experts}) "
+                         f"and n_tokens ({n_tokens}) >= 0")
+    if num_experts == 0:
+        return 0.0
+    return num_experts * (1 - (1 - experts_per_token / num_experts) ** n_tokens)
+
+
+def step_weight_bytes(shape: ModelShape, bits_per_weight: float, n_tokens: int) -> float:
+    """Weight bytes one pass of n tokens reads (a batch of decode steps, or a prompt): the shared weights once,
+    and every expert any token is routed to once (`expected_distinct_experts` per layer).
+
+    1 token: `active_weight_bytes`; a dense shape: `weight_bytes` whatever n.
+    """
+    extra = expected_distinct_experts(shape.num_experts, shape.experts_per_token, n_tokens) - shape.experts_per_token
+    return (active_param_count(shape) + shape.num_hidden_layers * extra * expert_params(shape)) * bits_per_weight / 8
 
 
 def kv_bytes_per_token(shape: ModelShape, bytes_per_element: float = 2) -> float:
@@ -149,8 +209,9 @@ def prefill_flops(shape: ModelShape, prompt_len: int) -> float:
 
 
 def decode_bytes_per_token(shape: ModelShape, bits_per_weight: float, context: int, kv_bytes: float = 2) -> float:
-    """Bytes read to generate one token: every weight once, plus the KV cache at `context`."""
-    return weight_bytes(shape, bits_per_weight) + kv_cache_bytes(shape, context, kv_bytes)
+    """Bytes read to generate one token: every active weight once (`active_weight_bytes`; a dense model: all of
+    them), plus the KV cache at `context`."""
+    return active_weight_bytes(shape, bits_per_weight) + kv_cache_bytes(shape, context, kv_bytes)
 
 
 def arithmetic_intensity(flops: float, nbytes: float) -> float:
@@ -181,12 +242,12 @@ def forward_time(hw: Hardware, shape: ModelShape, bits_per_weight: float, n_toke
                  context: int | None = None, kv_bytes: float = 2, efficiency: float = 1.0) -> float:
     """Seconds for one pass of n tokens ending at `context` (default n_tokens: a fresh prompt).
 
-    max(bytes / bandwidth, flops / peak) with bytes = weights once + the KV cache at `context`:
-    flat while the weight read dominates (GEMV-like), then linear in n (GEMM, compute-bound).
-    `efficiency` is the fraction of both roofs actually reached.
+    max(bytes / bandwidth, flops / peak) with bytes = weights once (a MoE: the experts the n tokens are
+    routed to, `step_weight_bytes`) + the KV cache at `context`: flat while the weight read dominates
+    (GEMV-like), then linear in n (GEMM, compute-bound). `efficiency` is the fraction of both roofs reached.
     """
     context = n_tokens if context is None else context
-    nbytes = decode_bytes_per_token(shape, bits_per_weight, context, kv_bytes)
+    nbytes = step_weight_bytes(shape, bits_per_weight, n_tokens) + kv_cache_bytes(shape, context, kv_bytes)
     flops = forward_flops(shape, n_tokens, context)
     return max(nbytes / hw.bandwidth, flops / hw.peak_flops) / efficiency
 
@@ -201,9 +262,41 @@ def decode_tokens_per_s(hw: Hardware, shape: ModelShape, bits_per_weight: float,
                         kv_bytes: float = 2, efficiency: float = 1.0) -> float:
     """Upper bound on generated tokens/s at `context`: min of the bandwidth and compute bounds.
 
-    context 0 counts the weights alone. Without a sourced peak (Apple) only the bandwidth bound applies.
+    Bytes per token as `decode_bytes_per_token` (a MoE: its active weights); context 0 counts the weights
+    alone. Without a sourced peak (Apple) only the bandwidth bound applies.
     """
     bound = efficiency * hw.bandwidth / decode_bytes_per_token(shape, bits_per_weight, context, kv_bytes)
     if hw.peak_tflops is None:
         return bound
     return min(bound, efficiency * hw.peak_flops / flops_per_token(shape, context))
+
+
+def batch_tokens_per_s(hw: Hardware, shape: ModelShape, bits_per_weight: float, batch: int, context: int,
+                       kv_bytes: float = 2, efficiency: float = 1.0) -> float:
+    """Upper bound on tokens/s of decode steps that serve `batch` sequences, each at `context`.
+
+    A step reads the weights once for all of them (a MoE: every expert any sequence is routed to,
+    `step_weight_bytes`) and each sequence's own KV cache; batch 1 is `decode_tokens_per_s`.
+    """
+    if batch < 1:
+        raise ValueError(f"batch ({batch}) must be at least 1")
+    nbytes = step_weight_bytes(shape, bits_per_weight, batch) + batch * kv_cache_bytes(shape, context, kv_bytes)
+    seconds = nbytes / hw.bandwidth
+    if hw.peak_tflops is not None:
+        seconds = max(seconds, batch * flops_per_token(shape, context) / hw.peak_flops)
+    return efficiency * batch / seconds
+
+
+def moe_vs_dense(hw: Hardware, shape: ModelShape, bits_per_weight: float, batches: list[int], context: int,
+                 kv_bytes: float = 2) -> dict[str, list[float]]:
+    """`batch_tokens_per_s` at each batch size of a MoE and of its two dense counterparts: one with as many
+    weights active per token (`experts_per_token` experts wide), one with as many stored (`num_experts` wide).
+
+    One sequence decodes about as fast as the first; a large batch reads nearly every expert, so its weight
+    read approaches the second's.
+    """
+    models = {shape.name: shape,
+              "dense, same active weights": dense_counterpart(shape, shape.experts_per_token),
+              "dense, same total weights": dense_counterpart(shape, shape.num_experts)}
+    return {label: [batch_tokens_per_s(hw, s, bits_per_weight, n, context, kv_bytes) for n in batches]
+            for label, s in models.items()}
