@@ -29,7 +29,8 @@ def models(shipped_model, tmp_path_factory):
 
 
 @pytest.mark.parametrize("model", ["shipped", "tied-8", "untied-16"])
-@pytest.mark.parametrize("file_type", ["F16", "Q8_0", "Q4_0", "Q6_K", "Q4_K_M", "Q4_K"])
+@pytest.mark.parametrize("file_type", ["F16", "Q8_0", "Q4_0", "Q6_K", "Q4_K_M", "Q4_K",
+                                       "Q3_K_L", "Q3_K_M", "Q3_K_S", "Q2_K"])
 def test_file_matches_llama_cpp(models, tmp_path, model, file_type):
     theirs, ours = tmp_path / "llama.cpp.gguf", tmp_path / "ours.gguf"
     quantize.with_llama_cpp(models[model], theirs, file_type)
@@ -60,6 +61,38 @@ def test_q4_k_m_mixture_on_the_shipped_shapes(models):
         for m in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"):
             assert types[f"blk.{i}.{m}.weight"] == "Q5_0"
         assert types[f"blk.{i}.attn_norm.weight"] == "F32"
+
+
+# Written out by hand from llama-quant.cpp's rules: model -> file type -> {kind: type per layer}
+# (rows of 256 fit the K-quants; the shipped model's rows of 384 fall back, its ffn_down rows of 1024 do not)
+LOW_BIT_EXPECTED = {
+    ("untied-16", "Q3_K_M"): {"attn_v": ["Q5_K"] * 2 + ["Q4_K"] * 14, "ffn_down": ["Q5_K"] + ["Q4_K"] * 15,
+                              "attn_output": ["Q4_K"] * 16, "attn_q": ["Q3_K"] * 16, "ffn_up": ["Q3_K"] * 16,
+                              "token_embd": "Q3_K", "output": "Q6_K"},
+    ("untied-16", "Q2_K"): {"attn_v": ["Q4_K"] * 16, "ffn_down": ["Q3_K"] * 16, "attn_output": ["Q3_K"] * 16,
+                            "attn_k": ["Q2_K"] * 16, "ffn_gate": ["Q2_K"] * 16, "token_embd": "Q2_K", "output": "Q6_K"},
+    ("tied-8", "Q2_K"): {"attn_v": ["Q3_K"] * 8, "ffn_down": ["Q3_K"] * 8, "attn_q": ["Q2_K"] * 8,
+                         "token_embd": "Q6_K"},
+    ("tied-8", "Q3_K_L"): {"attn_v": ["Q5_K"] * 8, "ffn_down": ["Q5_K"] * 8, "attn_output": ["Q5_K"] * 8,
+                           "ffn_up": ["Q3_K"] * 8, "token_embd": "Q6_K"},
+    ("shipped", "Q3_K_M"): {"attn_v": ["Q5_1"] * 2 + ["Q5_0"] * 4, "ffn_down": ["Q4_K"] * 6,
+                            "attn_output": ["Q5_0"] * 6, "attn_q": ["Q4_0"] * 6, "token_embd": "Q8_0"},
+    ("shipped", "Q2_K"): {"attn_v": ["Q4_0"] * 6, "ffn_down": ["Q3_K"] * 6, "attn_output": ["Q4_0"] * 6,
+                          "ffn_up": ["Q4_0"] * 6, "token_embd": "Q8_0"},
+}
+
+
+@pytest.mark.parametrize("model, file_type", list(LOW_BIT_EXPECTED))
+def test_low_bit_mixtures(models, model, file_type):
+    """untied-16 has 4 query heads per key head (Q2_K's attn_v: Q4_K), tied-8 and the shipped model 2 and 3 (Q3_K)."""
+    with gguf.read(models[model]) as f:
+        types = quantize.tensor_types(f.tensors, file_type)
+    for kind, expected in LOW_BIT_EXPECTED[model, file_type].items():
+        if isinstance(expected, str):
+            assert types[f"{kind}.weight"] == expected, kind
+        else:
+            assert [types[f"blk.{i}.{kind}.weight"] for i in range(len(expected))] == expected, kind
+    assert {t for n, t in types.items() if n.endswith("_norm.weight")} == {"F32"}
 
 
 @pytest.mark.parametrize("n, expected", [(8, [0, 3, 6, 7]), (16, [0, 1, 4, 7, 10, 13, 14, 15]),
@@ -111,8 +144,8 @@ def test_roundtrip_across_rows_is_the_blockwise_round_trip():
 def test_relative_error_orders_the_formats():
     """More bits, less error; on Gaussian weights Q4_0 and Q4_K at 4.5 bits differ, Q8_0 is ~100x better."""
     x = np.random.default_rng(1).standard_normal((64, 512)).astype(np.float32)
-    err = {t: quantize.relative_error(x, t) for t in ("Q8_0", "Q6_K", "Q5_0", "Q4_K", "Q4_0")}
-    assert err["Q8_0"] < err["Q6_K"] < err["Q5_0"] < err["Q4_K"] < err["Q4_0"]
+    err = {t: quantize.relative_error(x, t) for t in ("Q8_0", "Q6_K", "Q5_0", "Q4_K", "Q4_0", "Q3_K", "Q2_K")}
+    assert err["Q8_0"] < err["Q6_K"] < err["Q5_0"] < err["Q4_K"] < err["Q4_0"] < err["Q3_K"] < err["Q2_K"]
     assert err["Q8_0"] < err["Q4_0"] / 10
     assert quantize.relative_error(np.full((2, 32), 127, np.float32), "Q8_0") == 0.0   # d = 1, q = 127: exact
 
@@ -126,3 +159,34 @@ def test_simulate_changes_only_the_selected_matrices(models):
         w = f.array("blk.3.ffn_down.weight")
     assert np.array_equal(np.array(sim.layers[3].mlp.down_proj.weight), quantize.roundtrip(w, "Q4_0"))
     assert np.array_equal(np.array(sim.layers[3].mlp.up_proj.weight), np.array(base.layers[3].mlp.up_proj.weight))
+
+
+OTHER_ARCHITECTURES = {   # llama.cpp's rules for a model of 8 experts, Phi-3's fused q-k-v (an attn_v), Gemma's norms
+    "qwen3moe": dict(architecture="qwen3moe", num_experts=8, experts_per_token=2, expert_intermediate_size=256,
+                     head_dim=64),
+    "gemma3": dict(architecture="gemma3", sliding_window=8, sliding_layers=(True, False), rope_theta_local=1e4,
+                   head_dim=64),
+    "phi3": dict(architecture="phi3", fused_qkv=True, tie_word_embeddings=False, num_key_value_heads=4),
+}
+
+
+@pytest.mark.parametrize("file_type", ["Q4_K_M", "Q3_K_M", "Q2_K"])
+@pytest.mark.parametrize("arch", list(OTHER_ARCHITECTURES))
+def test_other_architectures_match_llama_cpp(tmp_path, arch, file_type):
+    """Random files of the new architectures, whose rows fill whole super-blocks: every tensor's type and bytes
+    as llama.cpp's quantizer writes them (the 8-expert rules, the router left float, attn_qkv as an attn_v)."""
+    from ref_impl.engine.model import ModelArgs
+    from ref_impl.engine.random import write_random_model
+
+    kw = {"num_key_value_heads": 2, **OTHER_ARCHITECTURES[arch]}
+    args = ModelArgs(512, 256, 2, 512, 4, max_position_embeddings=256, **kw)
+    src = write_random_model(tmp_path / f"{arch}.gguf", args, "F32", seed=0)
+    theirs, ours = tmp_path / "llama.cpp.gguf", tmp_path / "ours.gguf"
+    quantize.with_llama_cpp(src, theirs, file_type)
+    types = quantize.quantize_file(src, ours, file_type)
+    with gguf.read(theirs) as t, gguf.read(ours) as o:
+        assert {n: i.type.name for n, i in t.tensors.items()} == types
+        for name in t.tensors:
+            assert np.array_equal(o.array(name).view(np.uint8), t.array(name).view(np.uint8)), name
+    if arch == "qwen3moe":
+        assert types["blk.0.ffn_gate_inp.weight"] == "F32" and types["blk.0.attn_k.weight"] == "Q8_0"

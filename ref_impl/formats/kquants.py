@@ -24,7 +24,7 @@ The other formats (those of a llama.cpp Q4_K_M file, plus Q5_K):
     block_q6_K = { ql: uint8[128], qh: uint8[64], scales: int8[16], d: fp16 } # 256 values, 210 bytes
         16 sub-blocks of 16 with int8 scale s[j]; q = 4 low bits + 2 high bits - 32:  x = d * s[j] * q
 
-Decoded only (files of these types load; nothing here writes them):
+Decoded here, written by lowbits.py (Q2_K, Q3_K, Q5_1; nothing writes Q4_1):
 
     block_q4_1 = { d, m: fp16, qs: uint8[16] }                               # 32 values, 20 bytes
         x = d * q + m, q the nibbles in Q4_0's order (0..15, no offset)
@@ -105,7 +105,7 @@ def _check_input(x: np.ndarray, name: str) -> np.ndarray:
     return x
 
 
-def _quantize(x: np.ndarray, name: str, kernel, chunk: int = 2048) -> np.ndarray:
+def quantize_rows(x: np.ndarray, name: str, kernel, chunk: int = 2048) -> np.ndarray:
     """Check `x`, run kernel((blocks, values)) -> (blocks, bytes) over chunks that fit in cache."""
     x = _check_input(x, name)
     block, nbytes = _size(name)
@@ -132,7 +132,7 @@ def nearest_int(v: np.ndarray) -> np.ndarray:
     return (bits & 0x007FFFFF) - 0x00400000
 
 
-def _trunc_int8(v: np.ndarray) -> np.ndarray:
+def trunc_int8(v: np.ndarray) -> np.ndarray:
     """C's (int8_t) cast of a float: truncation toward zero. Where C leaves it undefined (nan, inf,
     huge) x86's cvttss2si gives INT32_MIN, whose low byte is 0."""
     t = np.trunc(v.astype(np.float64))
@@ -143,7 +143,7 @@ def _clamp(i: np.ndarray, lo: int, hi: int) -> np.ndarray:
     return np.minimum(np.maximum(i, lo), hi)
 
 
-def _seqsum(terms: np.ndarray, from_first: bool = False) -> np.ndarray:
+def seqsum(terms: np.ndarray, from_first: bool = False) -> np.ndarray:
     """Sum over axis 0 one term at a time, like a C loop `s += t[i]` from s = 0 (or s = t[0])."""
     s = terms[0].copy() if from_first else f32(0) + terms[0]
     for t in terms[1:]:
@@ -151,7 +151,7 @@ def _seqsum(terms: np.ndarray, from_first: bool = False) -> np.ndarray:
     return s
 
 
-def _first_absmax(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def first_absmax(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Over axis 0: the largest |x| and the first value that has it (+0.0 where all |x| are 0),
     as the C loop `if (amax < fabsf(v)) { amax = fabsf(v); max = v; }` finds them (nan never wins)."""
     amax = np.zeros(x.shape[1:], np.float32)
@@ -163,7 +163,7 @@ def _first_absmax(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return amax, vmax
 
 
-def _running_max(a: np.ndarray) -> np.ndarray:
+def running_max(a: np.ndarray) -> np.ndarray:
     """max(0, a[:, 0], a[:, 1], ...) with C's `if (v > m) m = v` (nan never wins)."""
     m = np.zeros(a.shape[0], np.float32)
     for v in a.T:
@@ -171,7 +171,7 @@ def _running_max(a: np.ndarray) -> np.ndarray:
     return m
 
 
-def _fp16(a: np.ndarray) -> np.ndarray:
+def fp16_bytes(a: np.ndarray) -> np.ndarray:
     """float32 (n,) -> fp16 bytes (n, 2), round to nearest even like GGML_FP32_TO_FP16."""
     return a.astype("<f2").view(np.uint8).reshape(-1, 2)
 
@@ -182,23 +182,23 @@ def quantize_q8_0(x: np.ndarray) -> np.ndarray:
     """Quantize float32 `x` of shape (..., n), n a multiple of 32, to uint8 blocks of shape (..., n // 32 * 34).
 
     As ggml-quants.c quantize_row_q8_0_ref."""
-    return _quantize(x, "Q8_0", _q8_0_blocks)
+    return quantize_rows(x, "Q8_0", _q8_0_blocks)
 
 
 def _q8_0_blocks(blocks: np.ndarray) -> np.ndarray:
     d = np.abs(blocks).max(axis=1) / f32(127)                 # (n_blocks,) float32
     inv_d = np.where(d != 0, f32(1) / d, f32(0))
     q = _roundf(blocks * inv_d[:, None]).astype(np.int8)      # float32 product, then roundf
-    return np.concatenate([_fp16(d), q.view(np.uint8)], axis=1)
+    return np.concatenate([fp16_bytes(d), q.view(np.uint8)], axis=1)
 
 
 def _q_0_blocks(blocks: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
     """Q4_0 (levels 8) and Q5_0 (16): fp16 d (n, 2) and quants q (n, 32) in 0..2*levels-1."""
-    _, vmax = _first_absmax(blocks.T)
+    _, vmax = first_absmax(blocks.T)
     d = vmax / f32(-levels)                                   # the largest-magnitude value maps to level 0
     inv_d = np.where(d != 0, f32(1) / d, f32(0))
-    q = _trunc_int8(blocks * inv_d[:, None] + f32(levels + 0.5))
-    return _fp16(d), (np.minimum(2 * levels - 1, q.astype(np.int16)) & 0xFF).astype(np.uint8)
+    q = trunc_int8(blocks * inv_d[:, None] + f32(levels + 0.5))
+    return fp16_bytes(d), (np.minimum(2 * levels - 1, q.astype(np.int16)) & 0xFF).astype(np.uint8)
 
 
 def quantize_q4_0(x: np.ndarray) -> np.ndarray:
@@ -208,7 +208,7 @@ def quantize_q4_0(x: np.ndarray) -> np.ndarray:
     def kernel(blocks):
         d, q = _q_0_blocks(blocks, 8)
         return np.concatenate([d, q[:, :16] | (q[:, 16:] << 4)], axis=1)
-    return _quantize(x, "Q4_0", kernel)
+    return quantize_rows(x, "Q4_0", kernel)
 
 
 def quantize_q5_0(x: np.ndarray) -> np.ndarray:
@@ -221,7 +221,7 @@ def quantize_q5_0(x: np.ndarray) -> np.ndarray:
         high = ((q >> 4).astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(axis=1, dtype=np.uint32)
         qh = high.astype("<u4").view(np.uint8).reshape(-1, 4)  # bit i: value i's 5th bit
         return np.concatenate([d, qh, (q[:, :16] & 0x0F) | (q[:, 16:] << 4)], axis=1)
-    return _quantize(x, "Q5_0", kernel)
+    return quantize_rows(x, "Q5_0", kernel)
 
 
 # ---------------------------------------------------------------------------------- K-quants
@@ -254,38 +254,39 @@ def unpack_scales_q4_k(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
-def _weighted_sse(scale, q, mn, x, w):
-    """sum_i w_i (scale*q_i + mn - x_i)^2 over axis 0, rounded in make_qkx2_quants' order."""
+def _weighted_error(scale, q, mn, x, w, mad: bool):
+    """sum_i w_i (scale*q_i + mn - x_i)^2 (|.| with `mad`) over axis 0, rounded in make_qkx2_quants' order."""
     diff = scale * q + mn - x
-    return _seqsum(w * (diff * diff))
+    return seqsum(w * (np.abs(diff) if mad else diff * diff))
 
 
-def _make_qkx2_quants(x, w, nmax: int, rmin: float, rdelta: float, nstep: int):
-    """ggml-quants.c make_qkx2_quants for many sub-blocks at once: x, w (32, n) position-major.
+def make_qkx2_quants(x, w, nmax: int, rmin: float, rdelta: float, nstep: int, mad: bool = False):
+    """ggml-quants.c make_qkx2_quants for many sub-blocks at once: x, w (values, n) position-major;
+    `mad` weighs absolute errors instead of squared ones (its use_mad, which Q2_K sets).
 
-    Returns quants (32, n) as float32 0..nmax, scale (n,) and the_min (n,), x ~ scale*q - the_min."""
+    Returns quants (values, n) as float32 0..nmax, scale (n,) and the_min (n,), x ~ scale*q - the_min."""
     lo, hi = x[0].copy(), x[0].copy()
     for v in x[1:]:
         lo, hi = np.where(v < lo, v, lo), np.where(v > hi, v, hi)
-    sum_w, sum_x = _seqsum(w, from_first=True), _seqsum(w * x, from_first=True)
+    sum_w, sum_x = seqsum(w, from_first=True), seqsum(w * x, from_first=True)
     lo = np.where(lo > 0, f32(0), lo)              # the range always includes 0
     iscale = f32(nmax) / (hi - lo)
     scale = f32(1) / iscale
     best_q = _clamp(nearest_int(iscale * (x - lo)), 0, nmax).astype(np.float32)
-    best = _weighted_sse(scale, best_q, lo, x, w)
+    best = _weighted_error(scale, best_q, lo, x, w, mad)
     mn = lo
     for step in range(nstep + 1):                  # try nmax + rmin + rdelta*step steps across the range
         iscale = (f32(rmin) + f32(rdelta) * f32(step) + f32(nmax)) / (hi - mn)
         q = _clamp(nearest_int(iscale * (x - mn)), 0, nmax).astype(np.float32)
         wq = w * q
-        sum_l, sum_l2, sum_xl = _seqsum(wq), _seqsum(wq * q), _seqsum(wq * x)
+        sum_l, sum_l2, sum_xl = seqsum(wq), seqsum(wq * q), seqsum(wq * x)
         det = sum_w * sum_l2 - sum_l * sum_l       # least squares for x ~ this_scale*q + this_min
         this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
         this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
         positive = this_min > 0                    # a positive min is not allowed: refit through 0
         this_min = np.where(positive, f32(0), this_min)
         this_scale = np.where(positive, sum_xl / sum_l2, this_scale)
-        err = _weighted_sse(this_scale, q, this_min, x, w)
+        err = _weighted_error(this_scale, q, this_min, x, w, mad)
         better = (det > 0) & (err < best)
         best_q = np.where(better, q, best_q)
         best, scale, mn = np.where(better, err, best), np.where(better, this_scale, scale), np.where(better, this_min, mn)
@@ -297,10 +298,10 @@ def _qkx_blocks(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int
     """Q4_K (nmax 15) and Q5_K (31) super-blocks (n, 256) -> header bytes (n, 16) and quants (n, 256)."""
     n = len(x)
     xs = np.ascontiguousarray(x.reshape(n * 8, 32).T)          # (32, n*8): sub-blocks in columns
-    av_x = np.sqrt(_seqsum(xs * xs) / f32(32))
-    q, scales, mins = _make_qkx2_quants(xs, av_x + np.abs(xs), nmax, rmin, rdelta, nstep)
+    av_x = np.sqrt(seqsum(xs * xs) / f32(32))
+    q, scales, mins = make_qkx2_quants(xs, av_x + np.abs(xs), nmax, rmin, rdelta, nstep)
     scales, mins = scales.reshape(n, 8), mins.reshape(n, 8)
-    max_scale, max_min = _running_max(scales), _running_max(mins)
+    max_scale, max_min = running_max(scales), running_max(mins)
     inv_scale = np.where(max_scale > 0, f32(63) / max_scale, f32(0))
     inv_min = np.where(max_min > 0, f32(63) / max_min, f32(0))
     # 6-bit scales against the largest one; nearest_int lands in a uint8_t (mod 256) before MIN(63, .)
@@ -323,7 +324,7 @@ def quantize_q4_k(x: np.ndarray) -> np.ndarray:
     def kernel(blocks):
         head, q = _qkx_blocks(blocks, 15, -1.0, 0.1, 20)
         return np.concatenate([head, (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(len(q), 128)], axis=1)
-    return _quantize(x, "Q4_K", kernel, chunk=512)
+    return quantize_rows(x, "Q4_K", kernel, chunk=512)
 
 
 def quantize_q5_k(x: np.ndarray) -> np.ndarray:
@@ -338,20 +339,20 @@ def quantize_q5_k(x: np.ndarray) -> np.ndarray:
             qh |= (high[:, c, 0] << (2 * c)) | (high[:, c, 1] << (2 * c + 1))
         low = q & 0x0F
         return np.concatenate([head, qh, (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(len(q), 128)], axis=1)
-    return _quantize(x, "Q5_K", kernel, chunk=512)
+    return quantize_rows(x, "Q5_K", kernel, chunk=512)
 
 
 def _make_qx_quants(x: np.ndarray, nmax: int):
     """ggml-quants.c make_qx_quants with rmse_type 1 (weights x^2) for sub-blocks x (16, n).
 
     Returns quants (16, n) as float32 0..2*nmax-1 (offset by nmax) and scale (n,), x ~ scale*(q - nmax)."""
-    amax, vmax = _first_absmax(x)
+    amax, vmax = first_absmax(x)
     w = x * x
     wx = w * x
 
     def trial(iscale):
         q = _clamp(nearest_int(iscale * x), -nmax, nmax - 1).astype(np.float32)
-        return q, _seqsum(wx * q), _seqsum(w * q * q)
+        return q, seqsum(wx * q), seqsum(w * q * q)
 
     best_q, sumlx, suml2 = trial(f32(-nmax) / vmax)
     scale = np.where(suml2 != 0, sumlx / suml2, f32(0))
@@ -370,13 +371,13 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     """Float32 (..., n), n a multiple of 256 -> uint8 Q6_K super-blocks (..., n // 256 * 210).
 
     As ggml-quants.c quantize_row_q6_K_ref (make_qx_quants, then int8 scales against the largest)."""
-    return _quantize(x, "Q6_K", _q6_k_blocks, chunk=512)
+    return quantize_rows(x, "Q6_K", _q6_k_blocks, chunk=512)
 
 
 def _q6_k_blocks(x: np.ndarray) -> np.ndarray:
     n = len(x)
     q, scales = _make_qx_quants(np.ascontiguousarray(x.reshape(n * 16, 16).T), 32)
-    max_abs, max_scale = _first_absmax(scales.reshape(n, 16).T)
+    max_abs, max_scale = first_absmax(scales.reshape(n, 16).T)
     iscale = f32(-128) / max_scale                             # the largest scale maps to -128
     d16 = (f32(1) / iscale).astype("<f2")
     # MIN(127, nearest_int(.)) stored in an int8_t: wraps mod 256
