@@ -284,6 +284,9 @@ SWITCHES = {
               "and in one pass, mlx-lm and llama.cpp; the prefill chunk swept; ITL early vs late over 4,000 tokens",
     "--oracle": "the pages' comparisons with llama.cpp (needs llama-cpp-python): --model's Q4_K_M tensors and logits "
                 "against llama.cpp's, and a Qwen2-style random file's tokens and first greedy tokens; times nothing",
+    "--window": "the KV cache of a sliding window: Gemma-3-12B's caches as the decoder builds them (unallocated) at "
+                "1k-128k positions, with its window and all layers global, against theory; a tiny random gemma3 "
+                "decoded at 256-16k positions with its window and without: tok/s, cache bytes",
 }
 
 
@@ -370,7 +373,8 @@ def add_bench(sub) -> None:
 def add_decoder(p: argparse.ArgumentParser, max_tokens: int) -> None:
     """The flags generate and chat share: the file, sampling, how weights are held, the cache, the loop."""
     p.add_argument("--model", required=True,
-                   help="a llama, qwen2 or qwen3 GGUF file, whatever its name (an Ollama blob has no extension)")
+                   help="a GGUF file of an architecture this decoder reads (inspect FILE says), whatever its name "
+                        "(an Ollama blob has no extension)")
     p.add_argument("--system", metavar="TEXT", help="the system message of a chat (generate: with --chat)")
     p.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens per answer at most")
     p.add_argument("--temp", type=float, default=0.0, help="0 = greedy")

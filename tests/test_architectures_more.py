@@ -224,3 +224,30 @@ def test_what_these_layers_cannot_take_is_refused(files):
                 "blk.0.ffn_gate_inp.weight"]})
     with pytest.raises(ValueError, match="a window needs a flag for each of the 3 layers"):
         replace(variant_args("gemma2"), sliding_layers=(True,))
+
+
+# --- every technique on the new layers ------------------------------------------------------------
+
+def test_every_technique_emits_plain_decodings_tokens(files):
+    """On Gemma 3's sliding-window layers (a prompt four windows long) and Qwen3-MoE's experts: greedy tokens
+    through prompt chunks of 5, a growing cache and speculation with gamma 7 (another random file as the draft, so
+    most drafts are rejected and both window caches trim) are plain decoding's; --compile and a gamma beyond what a window cache keeps to rewind are refused by name."""
+    from ref_impl.engine.compose import Techniques, generate
+    from ref_impl.engine.kvcache import REWIND_MARGIN
+    for variant, draft in (("gemma3", "gemma2"), ("qwen3moe", "llama-experts")):
+        model, drafter = ours(files[variant]), ours(files[draft])
+        prompt = IDS[:4 * WINDOW]
+
+        def tokens(techniques=Techniques(), proposer=None):
+            return generate(model, None, prompt, 48, techniques=techniques, proposer=proposer,
+                            stop_at_eos=False).tokens
+
+        plain = tokens()
+        assert tokens(Techniques(prefill_chunk=5)) == plain
+        assert tokens(Techniques(kv="chunked")) == plain
+        assert tokens(Techniques(speculate="draft", gamma=7), proposer=drafter) == plain
+        if variant == "gemma3":
+            with pytest.raises(ValueError, match="--compile cannot decode a gemma3 model's sliding-window"):
+                tokens(Techniques(compiled=True))
+            with pytest.raises(ValueError, match=f"keeps {REWIND_MARGIN} positions to rewind"):
+                tokens(Techniques(speculate="draft", gamma=REWIND_MARGIN), proposer=model)

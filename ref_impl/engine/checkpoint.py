@@ -6,7 +6,8 @@ model.py names its parameters as Hugging Face and mlx-lm do (`embed_tokens.weigh
 `layers.3.self_attn.q_proj.weight`, `norm.weight`). One table maps the names both ways, and the
 loader checks that a file holds exactly the model's tensors, in the model's shapes, before loading
 anything. The hyper-parameters come from the file's `<architecture>.*` metadata (ModelArgs.from_gguf:
-llama, qwen2, qwen3), and Llama 3's rope scaling from its `rope_freqs.weight` tensor.
+architectures.py lists the architectures), and rope factors from `rope_freqs.weight` (Llama 3) or
+`rope_factors_*` (Phi-3).
 
 Quantized tensors either expand to floats (`GGUFFile.dequantize`, the kquants decoders) or, with
 `quantized=True`, stay quantized as MLX affine layers (transcode.py). `save` writes float32, the
@@ -153,7 +154,8 @@ def load_model(f: gguf.GGUFFile, dtype: mx.Dtype | None = None, quantized: bool 
 
 def load(path: str | Path, dtype: mx.Dtype | None = None, quantized: bool = False,
          keep: Callable[[Model], None] | None = None) -> tuple[Model, Tokenizer]:
-    """Load a llama, qwen2 or qwen3 GGUF file: the model and its tokenizer (quantized, keep: see load_model)."""
+    """Load a GGUF file of an architecture this decoder reads: the model and its tokenizer (quantized, keep: see
+    load_model)."""
     with gguf.read(path) as f:
         return load_model(f, dtype, quantized, keep=keep), Tokenizer.from_gguf_metadata(f.metadata)
 

@@ -52,7 +52,7 @@ import mlx.core as mx
 import numpy as np
 
 from ref_impl.engine.generate import PREFILL_CHUNK, Sampler, check_chunk, check_room, generate_step
-from ref_impl.engine.kvcache import KVCache
+from ref_impl.engine.kvcache import REWIND_MARGIN, KVCache
 from ref_impl.engine.kvquant import FLOAT, FUSED, FUSED_CLASSES, cache_class
 from ref_impl.engine.model import Model
 from ref_impl.engine.mtp import MTPHeads, check_heads, mtp_generate
@@ -159,6 +159,13 @@ def check(model: Model, techniques: Techniques, proposer: Model | MTPHeads | Non
     if isinstance(proposer, MTPHeads):
         check_heads(proposer, model)
         check_gamma(techniques.gamma, proposer.k)
+    for m in (model, proposer) if isinstance(proposer, Model) else (model,):
+        if m.args.sliding_window and techniques.speculate and techniques.gamma + 1 > REWIND_MARGIN:
+            raise ValueError(f"gamma {techniques.gamma}: a sliding-window layer's cache keeps {REWIND_MARGIN} "
+                             "positions to rewind, and a verification may reject gamma + 1")
+        if techniques.compiled and (m.args.sliding_window or m.args.attn_logit_softcap):
+            raise ValueError(f"a compiled step attends over the whole float buffer: --compile cannot decode a "
+                             f"{m.args.architecture} model's sliding-window or soft-capped attention")
 
 
 def steps(model: Model, prompt: list[int], sampler: Sampler, techniques: Techniques, size: int,

@@ -211,6 +211,9 @@ class ChunkedKVCache(FloatCache):
         return self.state
 
 
+REWIND_MARGIN = 64   # positions a WindowKVCache keeps beyond its window, so speculation can trim its rejected drafts
+
+
 class WindowKVCache(FloatCache):
     """The cache of a sliding-window layer, whose queries see only the `window` newest positions (Gemma): it keeps
     the last window - 1 positions a future query can need, plus `margin` more so that speculative decoding can trim
@@ -222,9 +225,10 @@ class WindowKVCache(FloatCache):
     to its window (model.window_bias), which needs only that the newest key is the newest query's own."""
 
     def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_size: int, dtype: mx.Dtype = mx.float32,
-                 window: int = 4096, margin: int = 64, step: int = 256):
+                 window: int = 4096, margin: int = REWIND_MARGIN, step: int = 256):
         if window < 1 or margin < 0 or step < 1:
-            raise ValueError(f"a window cache needs window >= 1, margin >= 0, step >= 1; got {window}, {margin}, {step}")
+            raise ValueError(f"a window cache needs window >= 1, margin >= 0, step >= 1; "
+                             f"got {window}, {margin}, {step}")
         self.window, self.margin = window, margin
         self.keep = window - 1 + margin
         super().__init__(batch, n_kv_heads, head_dim, max_size, dtype, length=min(max_size, self.keep + step))

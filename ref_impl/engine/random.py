@@ -94,7 +94,8 @@ def tensor_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         shapes |= {"rope_factors_long.weight": (hd // 2,), "rope_factors_short.weight": (hd // 2,)}
     for i in range(args.num_hidden_layers):
         p = f"blk.{i}."
-        shapes.update({p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,), p + "attn_output.weight": (d, q * hd)})
+        shapes.update({p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,),
+                       p + "attn_output.weight": (d, q * hd)})
         if args.fused_qkv:
             shapes[p + "attn_qkv.weight"] = ((q + 2 * kv) * hd, d)
         else:
