@@ -1074,13 +1074,13 @@ def test_fused_layers_step_aside_for_other_architectures(tmp_path):
 
 @cuda_only
 def test_every_architecture_keeps_greedy_tokens():
-    """Each architecture in float16 and in Q4_K_M held natively, with our GEMVs, fused groups and fused layers
+    """Each architecture in float16, and in Q4_K_M and Q3_K_M held natively, with our GEMVs, fused groups and fused layers
     swapped in where they apply (and stepping aside where they do not): the same greedy tokens as MLX's
     built-ins, teacher-forced logits equal but for near ties."""
     prompt = [3, 17, 42, 5, 96, 11, 64, 23]
     with tempfile.TemporaryDirectory() as work:
         for arch in ARCH_FILES:
-            for file_type in ("F16", "Q4_K_M"):
+            for file_type in ("F16", "Q4_K_M", "Q3_K_M"):   # Q3_K: held as 8-bit groups of 32 (transcode.py)
                 path = arch_file(arch, file_type, Path(work))
                 with gguf.read(path) as f:
                     ref = load_model(f, mx.float16, quantized=file_type != "F16")
