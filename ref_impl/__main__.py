@@ -22,6 +22,8 @@
     python -m ref_impl bench --pipeline --label cpu-2core
     python -m ref_impl bench --oracle --label cpu-2core
     python -m ref_impl bench --long --label cpu-2core
+    python -m ref_impl bench --moe --label cpu-2core
+    python -m ref_impl bench --window --label cpu-2core
 
 Bad input (a missing or malformed file, an impossible setting) prints one line on stderr
 and exits with status 2; no traceback.
@@ -282,6 +284,9 @@ SWITCHES = {
     "--long": "long prompts and long answers: TTFT, prefill tok/s and peak memory at prompts of 512, 2,048 and 8,192 "
               "tokens (a random model with Llama 3's vocabulary, and --model where its context allows), ours chunked "
               "and in one pass, mlx-lm and llama.cpp; the prefill chunk swept; ITL early vs late over 4,000 tokens",
+    "--moe": "mixture of experts on the roofline: a random qwen3moe file against dense qwen3 files of the same total "
+             "and the same active bytes (F32 on a CPU, Q8_0 on a GPU): bytes per token, decode tok/s and the bandwidth "
+             "they imply, ours and llama.cpp",
     "--oracle": "the pages' comparisons with llama.cpp (needs llama-cpp-python): --model's Q4_K_M tensors and logits "
                 "against llama.cpp's, and a Qwen2-style random file's tokens and first greedy tokens; times nothing",
     "--window": "the KV cache of a sliding window: Gemma-3-12B's caches as the decoder builds them (unallocated) at "
@@ -362,7 +367,8 @@ def add_bench(sub) -> None:
     b.add_argument("--mtp-heads", help="MTP heads for --spec and --capstone (default: MODEL-mtp.gguf beside --model, "
                                        "if present)")
     b.add_argument("--quick", action="store_true",
-                   help="--dispatch, --spec, --kv or --capstone with tiny sizes: checks it runs, in seconds; "
+                   help="--dispatch, --spec, --kv, --capstone, --long, --moe or --window with tiny sizes: checks it "
+                        "runs, in seconds; "
                         "--kernels: decode only, default launches (no per-matrix sweep or timing)")
     b.add_argument("--work-dir", help="where --quant and --shape write their temporary GGUF files")
     b.add_argument("--label", help="machine label for the file name (default: host-backend)")

@@ -221,8 +221,9 @@ class WindowKVCache(FloatCache):
     not fit, the kept positions move to the front of a new buffer (one copy every `step` tokens, as ChunkedKVCache).
     So its memory stays at (window - 1 + margin + step) positions however long the context grows.
 
-    `update_and_fetch` returns the positions it holds, newest last, never all of them: Attention masks each query
-    to its window (model.window_bias), which needs only that the newest key is the newest query's own."""
+    `update_and_fetch` returns the window - 1 positions before a forward's queries and the queries' own, newest
+    last: Attention masks each query to its window (model.window_bias), which needs only that the newest key is
+    the newest query's own; a decode step reads `window` positions, not all the buffer holds."""
 
     def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_size: int, dtype: mx.Dtype = mx.float32,
                  window: int = 4096, margin: int = REWIND_MARGIN, step: int = 256):
@@ -236,19 +237,22 @@ class WindowKVCache(FloatCache):
 
     @property
     def state(self) -> tuple[mx.array, mx.array]:
+        """The positions the next query's window reaches: the newest window - 1 (all of them, early on)."""
         held = self.offset - self.start
-        return self.keys[:, :, :held, :], self.values[:, :, :held, :]
+        seen = max(0, held - (self.window - 1))
+        return self.keys[:, :, seen:held, :], self.values[:, :, seen:held, :]
 
     def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Store k, v (B, n_kv_heads, L, head_dim) after the newest position; return what this forward's queries
-        may see and more: (B, n_kv_heads, T, head_dim) whose last L positions are k, v."""
+        see: (B, n_kv_heads, T, head_dim), the window - 1 positions before them (fewer early on), then k, v."""
         end, held, L = self.reserve(k, v), self.offset - self.start, k.shape[2]
+        seen = max(0, held - (self.window - 1))
         if held + L <= self.keys.shape[2]:
             self.keys[:, :, held:held + L, :] = k
             self.values[:, :, held:held + L, :] = v
             self.offset = end
-            return self.state
-        # the last `keep` positions before this forward, then its own: what its queries see
+            return self.keys[:, :, seen:held + L, :], self.values[:, :, seen:held + L, :]
+        # the last `keep` positions before this forward, then its own, move to the front of a new buffer
         kept = min(held, self.keep)
         keys = mx.concatenate([self.keys[:, :, held - kept:held, :], k.astype(self.dtype)], axis=2)
         values = mx.concatenate([self.values[:, :, held - kept:held, :], v.astype(self.dtype)], axis=2)
@@ -257,7 +261,8 @@ class WindowKVCache(FloatCache):
         self.keys = mx.concatenate([keys[:, :, -last:, :], room], axis=2)
         self.values = mx.concatenate([values[:, :, -last:, :], room], axis=2)
         self.offset, self.start = end, end - last
-        return keys, values
+        first = max(0, keys.shape[2] - (self.window - 1 + L))
+        return keys[:, :, first:, :], values[:, :, first:, :]
 
     def trim(self, n: int) -> int:
         """Forget the last n positions; a ValueError when the window of the next query would reach past what

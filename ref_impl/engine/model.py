@@ -183,7 +183,8 @@ class ModelArgs:
 
     def shape(self, name: str) -> ModelShape:
         """This model as a shape of theory/shapes.py, for the roofline's arithmetic."""
-        return ModelShape(name, self.vocab_size, self.hidden_size, self.num_hidden_layers, self.intermediate_size,
+        dense = 0 if self.num_experts else self.intermediate_size   # a mixture of experts has no dense MLP
+        return ModelShape(name, self.vocab_size, self.hidden_size, self.num_hidden_layers, dense,
                           self.num_attention_heads, self.num_key_value_heads, self.head_dim,
                           self.tie_word_embeddings, "ref_impl.engine.model.ModelArgs", qk_norm=self.qk_norm,
                           num_experts=self.num_experts, experts_per_token=self.experts_per_token,

@@ -19,9 +19,10 @@ import mlx.core as mx
 
 from ref_impl.engine.random import args_for
 from ref_impl.measure import (capstone, cupti, gemvdecode, kv, latency, layerlaunch, link, loads, longrun, ncu,
-                              oracle, pipeline, spec, unified)
+                              oracle, pipeline, spec, unified, window)
 from ref_impl.measure.decode import bench_decode, bench_shape, roofs
 from ref_impl.measure.kernels import bench_kernels
+from ref_impl.measure.moe import MoEPlan, bench_moe, show_moe
 from ref_impl.measure.quant import bench_quant, bench_quant_groups
 
 Say = Callable[[str], None]
@@ -202,6 +203,11 @@ def show_oracle(records: list[dict]) -> list[str]:
             f"{r.get('fallback') or (repr(r['text'])[:30] if r.get('text') else '')}" for r in records]
 
 
+def show_window(records: list[dict]) -> list[str]:
+    return [f"  {r['experiment']:<16} {r['model']:<12} {r['context']:>7} {r['variant']:<14} {r['metric']:<17} "
+            f"{value_text(r):>16} {r['unit']}" for r in records]
+
+
 def show_long(records: list[dict]) -> list[str]:
     return [f"  {r['experiment']:<18} {r['model']:<32} {r['context'] or '':>6} {r['variant'] or '':<10} "
             f"{(r['peer'] or 'ours')[:36]:<36} {r['metric']:<21} {value_text(r):>14} {r['unit'] or ''} "
@@ -224,6 +230,10 @@ SUITES: dict[str, Suite] = {
     "oracle": Suite(run_oracle, show_oracle),
     "long": Suite(lambda a, work, say: longrun.bench_long(Path(a.model), work, longrun.LongPlan.quick() if a.quick
                                                           else longrun.LongPlan(), not a.no_peers, say), show_long),
+    "window": Suite(lambda a, work, say: window.bench_window(work, window.WindowPlan.quick() if a.quick
+                                                             else window.WindowPlan(), say), show_window),
+    "moe": Suite(lambda a, work, say: bench_moe(work, MoEPlan.for_device(_on_gpu(), a.quick), not a.no_peers, say),
+                 show_moe),
     "quant": Suite(lambda a, work, say: bench_quant(Path(a.model), work, a.quant, a.ppl_tokens, a.prompt_len,
                                                     a.gen_tokens, a.repeats, peers=not a.no_peers), show_summary),
     "kernels": Suite(run_kernels, show_kernels),
