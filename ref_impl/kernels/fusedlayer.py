@@ -42,7 +42,8 @@ import numpy as np
 
 from ref_impl.engine.generate import decoder, prefill
 from ref_impl.engine.kvcache import KVCache
-from ref_impl.engine.model import MLP, Model, TransformerBlock
+from ref_impl.engine.model import Model, TransformerBlock
+from ref_impl.engine.moe import MoE
 from ref_impl.kernels.cuda import minified
 from ref_impl.kernels.fusedlayer_cuda import HEADER, SOURCES
 from ref_impl.kernels.launch import DTYPES, Format, dtype_name
@@ -145,11 +146,12 @@ def why_not(block: nn.Module) -> str | None:
         return "sliding-window or soft-capped attention (Gemma) is not fused"
     if "attn_output_norm" in block:
         return "norms on the attention's and the MLP's outputs (Gemma) are not fused"
-    if not isinstance(block.mlp, MLP):
+    if isinstance(block.mlp, MoE):
         return "a mixture of experts is not fused"
     if "qkv_proj" in attn or "gate_proj" not in block.mlp:
         return "fused q-k-v and gate-up matrices (Phi-3) are not fused"
-    if block.mlp.act is not nn.silu or attn.rope_attn_factor != 1.0:
+    # an MLP that patch made a GatedMLP is SwiGLU (patch fuses no other)
+    if getattr(block.mlp, "act", nn.silu) is not nn.silu or attn.rope_attn_factor != 1.0:
         return "GeGLU or a rope attention factor is not fused"
     mods = list(projections(block).values())
     formats = [matrix(m)[0] for m in mods]
