@@ -17,11 +17,10 @@ import mlx.core as mx
 import numpy as np
 import numpy_reference
 import pytest
-from test_architectures import dequantized_copy, logits, ours, same_args
-from test_llama_cpp import ATOL, llama_greedy, llama_logits, make_llama, top2_gap
+from test_architectures import check_greedy, dequantized_copy, logits, ours, same_args
+from test_llama_cpp import ATOL, llama_logits, make_llama
 
 from ref_impl.engine.architectures import swa_layers
-from ref_impl.engine.generate import Sampler, generate_step
 from ref_impl.engine.kvcache import WindowKVCache
 from ref_impl.engine.model import MLX_PARTS, ModelArgs
 from ref_impl.engine.random import write_random_model
@@ -121,12 +120,7 @@ def test_logits_match_a_float64_forward(files, theirs, variant):
 
 @pytest.mark.parametrize("variant", ["gemma3", "phi3", "qwen3moe", "llama-experts"])
 def test_greedy_tokens_match_llama_cpp(files, variant):
-    model, prompt, n = ours(files[variant]), IDS[:6], 24
-    steps = generate_step(model, prompt, Sampler(), model.make_cache(len(prompt) + n + 1))
-    mine = [t for _, t in zip(range(n), steps)]
-    want, rows = llama_greedy(make_llama(files[variant], CONTEXT), prompt, n)
-    assert mine == want, f"{variant}: ours {mine}, llama.cpp {want}"
-    assert min(top2_gap(r) for r in rows) > 0 and len(set(mine)) > 1
+    check_greedy(files[variant], CONTEXT, IDS[:6])
 
 
 def test_the_window_and_the_long_factors_matter(files, theirs, tmp_path):

@@ -196,15 +196,6 @@ def test_convert_names_the_type_a_row_of_384_does_not_fit(name):
 
 
 @pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, 1e39])   # 1e39 is inf as float32
-def test_quantize_rejects_non_finite_values_and_names_the_first(name, bad):
-    x = np.zeros((3, 512), np.float64)
-    x[1, 300] = x[2, 5] = bad
-    with pytest.raises(ValueError, match=rf"{name} input has a non-finite value .* at index \(1, 300\)"):
-        lowbits.QUANTIZE[name](x)
-
-
-@pytest.mark.parametrize("name", TYPES)
 def test_quantize_rejects_non_float_dtypes(name):
     with pytest.raises(ValueError, match=f"{name} quantizes floating-point values, got dtype int32"):
         lowbits.QUANTIZE[name](np.ones((2, 256), np.int32))
