@@ -4,8 +4,9 @@ Attention at step t needs the keys and values of every earlier position. Recompu
 them would make each token cost a full forward over the prefix, so they are kept.
 
 `Cache` is the interface every cache has, here and in kvquant.py: `update_and_fetch` (store
-a forward's keys and values, return the whole history), `trim` (forget the newest positions),
-`state` (the filled part), `buffers` (every array it holds), `nbytes`, and `attends`, which tells `model.Attention` how to read it:
+a forward's keys and values, return the whole history), `trim` (forget the newest positions; `rewinds`
+says whether a trim leaves an exact cache), `state` (the filled part), `buffers` (every array it holds),
+`nbytes`, and `attends`, which tells `model.Attention` how to read it:
 
 * "dense": Attention runs `mx.fast.scaled_dot_product_attention` on what `update_and_fetch`
   returns (the float caches here, and the quantized ones when they dequantize);
