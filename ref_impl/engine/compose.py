@@ -163,7 +163,7 @@ def check(model: Model, techniques: Techniques, proposer: Model | MTPHeads | Non
         if m.args.sliding_window and techniques.speculate and techniques.gamma + 1 > REWIND_MARGIN:
             raise ValueError(f"gamma {techniques.gamma}: a sliding-window layer's cache keeps {REWIND_MARGIN} "
                              "positions to rewind, and a verification may reject gamma + 1")
-        if techniques.compiled and (m.args.sliding_window or m.args.attn_logit_softcap):
+        if techniques.compiled and not m.args.plain_attention:
             raise ValueError(f"a compiled step attends over the whole float buffer: --compile cannot decode a "
                              f"{m.args.architecture} model's sliding-window or soft-capped attention")
 

@@ -269,7 +269,7 @@ class WindowKVCache(FloatCache):
         """Forget the last n positions; a ValueError when the window of the next query would reach past what
         the cache kept (more than `margin` positions trimmed after the oldest were dropped)."""
         n = max(0, min(self.offset, n))
-        if n < self.offset and self.start > 0 and self.offset - n - self.start < self.window - 1:
+        if not self.rewinds(n):
             raise ValueError(f"a sliding-window cache keeps {self.margin} positions to rewind, asked for {n}")
         self.offset -= n
         if self.offset == 0:

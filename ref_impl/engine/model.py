@@ -56,11 +56,20 @@ SHORT_QUERIES = 16
 
 
 @functools.lru_cache(maxsize=64)
+def window_bias(L: int, T: int, window: int, dtype: mx.Dtype) -> mx.array:
+    """(L, T): 0 where query i of L may see key j of T (the last L keys are the queries' own positions) and -inf
+    elsewhere: causal, and with window > 0 only the `window` newest keys up to the query's own (llama.cpp's
+    LLAMA_SWA_TYPE_STANDARD masks a key at p0 from a query at p1 when p1 - p0 >= window). Cached, so every layer
+    of one forward shares one array."""
+    distance = mx.arange(T - L, T)[:, None] - mx.arange(T)[None, :]
+    visible = (distance >= 0) & ((distance < window) if window else True)
+    return mx.where(visible, 0.0, -mx.inf).astype(dtype)
+
+
+@functools.lru_cache(maxsize=64)
 def causal_bias(L: int, T: int, groups: int, dtype: mx.Dtype) -> mx.array:
-    """(groups * L, T): 0 where query i of L (in each of `groups` query heads) may see key j of T, that is
-    j <= T - L + i, and -inf elsewhere. Cached, so every layer of one forward shares one array."""
-    visible = mx.arange(T)[None, :] <= mx.arange(T - L, T)[:, None]
-    return mx.tile(mx.where(visible, 0.0, -mx.inf).astype(dtype), (groups, 1))
+    """(groups * L, T): window_bias's causal mask (no window) for each of `groups` query heads stacked."""
+    return mx.tile(window_bias(L, T, 0, dtype), (groups, 1))
 
 
 def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
@@ -143,6 +152,12 @@ class ModelArgs:
     def attention_scale(self) -> float:
         return self.query_scale or self.head_dim ** -0.5
 
+    @property
+    def plain_attention(self) -> bool:
+        """Whether every layer attends plainly (no sliding window, no soft cap): what fused caches, a compiled
+        step and Parts.attend compute."""
+        return not (self.sliding_window or self.attn_logit_softcap)
+
     def slides(self, layer: int) -> bool:
         """Whether that layer attends through the sliding window."""
         return bool(self.sliding_window) and self.sliding_layers[layer]
@@ -220,15 +235,6 @@ MLX_PARTS = Parts()
 def rms_norm(norm: nn.RMSNorm, x: mx.array, parts: Parts) -> mx.array:
     """An RMSNorm layer applied to x: MLX's, or parts.norm on its weight and eps."""
     return norm(x) if parts.norm is None else parts.norm(x, norm.weight, norm.eps)
-
-
-def window_bias(L: int, T: int, window: int, dtype: mx.Dtype) -> mx.array:
-    """(L, T): 0 where query i of L may see key j of T (the last L keys are the queries' own positions) and -inf
-    elsewhere: causal, and with window > 0 only the `window` newest keys up to the query's own (llama.cpp's
-    LLAMA_SWA_TYPE_STANDARD masks a key at p0 from a query at p1 when p1 - p0 >= window)."""
-    distance = mx.arange(T - L, T)[:, None] - mx.arange(T)[None, :]
-    visible = (distance >= 0) & ((distance < window) if window else True)
-    return mx.where(visible, 0.0, -mx.inf).astype(dtype)
 
 
 def capped_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, bias: mx.array, cap: float) -> mx.array:
@@ -439,7 +445,7 @@ class Model(nn.Module):
         a = self.args
         size = max_size or a.max_position_embeddings
         dtype = self.norm.weight.dtype  # embed_tokens.weight may be quantized codes
-        if params.get("fused") and not all(layer.self_attn.plain for layer in self.layers):
+        if params.get("fused") and not a.plain_attention:
             raise ValueError(f"fused caches attend without a sliding window or soft cap: this {a.architecture} "
                              "model needs a cache that returns its keys (fused=False)")
         if not (scheme == FLOAT and a.sliding_window):
