@@ -41,6 +41,7 @@ import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -49,13 +50,13 @@ import numpy as np
 from ref_impl.engine import kvquant
 from ref_impl.engine.checkpoint import load
 from ref_impl.engine.generate import Sampler, generate_step, prefill
-from ref_impl.engine.kvcache import KVCache
+from ref_impl.engine.kvcache import Cache, KVCache
 from ref_impl.engine.kvquant import FLOAT, scheme_bytes
 from ref_impl.engine.model import Model
 from ref_impl.engine.random import args_for, random_model
 from ref_impl.engine.tokenizer import Tokenizer
 from ref_impl.measure.records import dtype_name, record
-from ref_impl.platform.timing import clock, decode_metrics, time_tokens
+from ref_impl.platform.timing import TokenRun, clock, decode_metrics, interleaved, time_tokens
 from ref_impl.theory import roofline
 from ref_impl.theory.shapes import ModelShape
 from ref_impl.theory.shapes import shape as named_shape
@@ -253,6 +254,16 @@ def needle_retrieval(model: Model, trials: Sequence[NeedleTrial], scheme: str, c
 
 # ---- decode speed against context ------------------------------------------------------------------
 
+def decode_after(model: Model, cache: list[Cache], token: int, n: int, context: int) -> TokenRun:
+    """n greedy tokens decoded by the pipelined loop after `token`, on caches holding `context` positions, which are
+    trimmed back to them afterwards: one run of a decode-speed-against-context measurement, repeatable."""
+    run = time_tokens(generate_step(model, [token], Sampler(), cache, pipeline=True), n)
+    mx.synchronize()               # the pipelined step left queued, before the trim
+    for c in cache:
+        c.trim(c.offset - context)
+    return run
+
+
 def fill_random(caches: Sequence[KVCache], context: int, seed: int = 0, chunk: int = 4096) -> None:
     """Store `context` positions of random keys and values (standard normal, in the cache dtype) in
     every layer's cache, `chunk` positions per update_and_fetch: what a prefill of that length leaves,
@@ -305,15 +316,8 @@ def decode_speed(model: Model, name: str, variants: Sequence[tuple[str, bool]], 
         caches = {v: model.make_cache(context + n_tokens + 2, 1, v[0], fused=v[1]) for v in variants}
         for c in caches.values():
             fill_random(c, context, seed)
-        runs = {v: [] for v in variants}
-        for r in range(-1, repeats):
-            for v, cache in caches.items():
-                run = time_tokens(generate_step(model, [token], Sampler(), cache, pipeline=True), n_tokens)
-                mx.synchronize()               # the pipelined step left queued, before the trim
-                for c in cache:
-                    c.trim(c.offset - context)
-                if r >= 0:
-                    runs[v].append(run)
+        runs = interleaved({v: partial(decode_after, model, cache, token, n_tokens, context)
+                            for v, cache in caches.items()}, repeats)
         for (scheme, fused), r in runs.items():
             s = decode_metrics(r, 1)
             out.append(SpeedPoint(name, scheme, fused, context, s["tokens_per_s"][0],

@@ -39,7 +39,8 @@ from ref_impl.engine.random import args_for, random_model
 from ref_impl.measure.decode import ours
 from ref_impl.measure.loads import WiredRead, wired_reads
 from ref_impl.measure.records import dtype_name, record
-from ref_impl.platform.timing import calls_per_sample, clock, decode_metrics, median, repeat, time_tokens, wall
+from ref_impl.platform.timing import (TokenRun, calls_per_sample, clock, decode_metrics, interleaved, median, repeat,
+                                      time_tokens, wall)
 
 MODES = ("sync", "async_eval", "layer_eval")
 
@@ -100,13 +101,13 @@ def decode_modes(model: Model, prompt_len: int = 32, n_tokens: int = 64, repeats
         raise ValueError(f"decode_modes needs prompt_len >= 1, n_tokens >= 2, repeats >= 1 and modes "
                          f"from {MODES}; got {prompt_len}, {n_tokens}, {repeats}, {list(modes)}")
     prompt = _prompt(model, prompt_len, seed)
-    runs = {mode: [] for mode in modes}
-    for r in range(-1, repeats):
-        for mode in modes:
-            run = time_tokens(_stream(model, mode, prompt, n_tokens), n_tokens)
-            mx.synchronize()               # a pipelined run leaves one step queued: let it finish
-            if r >= 0:
-                runs[mode].append(run)
+
+    def run(mode: str) -> TokenRun:
+        timed = time_tokens(_stream(model, mode, prompt, n_tokens), n_tokens)
+        mx.synchronize()               # a pipelined run leaves one step queued: let it finish
+        return timed
+
+    runs = interleaved({mode: functools.partial(run, mode) for mode in modes}, repeats)
     out = {}
     for mode, r in runs.items():
         s = decode_metrics(r, prompt_len)

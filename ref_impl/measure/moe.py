@@ -38,6 +38,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -53,7 +54,7 @@ from ref_impl.measure.decode import roofs
 from ref_impl.measure.peers import llama_cpp_available, llama_cpp_stream
 from ref_impl.measure.records import dtype_name, record
 from ref_impl.platform.machine import package_version
-from ref_impl.platform.timing import TokenRun, decode_metrics, time_tokens
+from ref_impl.platform.timing import TokenRun, decode_metrics, interleaved, time_tokens
 from ref_impl.theory import roofline as rl
 
 EXPERIMENT = "moe-decode"
@@ -165,14 +166,12 @@ def decode_rounds(streams: dict[tuple[str, str], Stream], prompt: list[int], n: 
     machine's drift (a neighbour, the clock) falls on every file alike. One engine's streams at a time: on the
     2-core CPU llama.cpp decoded 1.4 to 15 times slower interleaved with MLX than alone (its threads meet at a
     barrier after every operation, and MLX's and OpenBLAS's workers still held the cores)."""
-    runs: dict[tuple[str, str], list[TokenRun]] = {key: [] for key in streams}
-    for r in range(-1, repeats):
-        for key, stream in streams.items():
-            run = time_tokens(stream(prompt, n), n)
-            mx.synchronize()                    # the pipelined loop leaves one step queued: let it finish
-            if r >= 0:
-                runs[key].append(run)
-    return runs
+    def run(stream: Stream) -> TokenRun:
+        timed = time_tokens(stream(prompt, n), n)
+        mx.synchronize()                    # the pipelined loop leaves one step queued: let it finish
+        return timed
+
+    return interleaved({key: partial(run, stream) for key, stream in streams.items()}, repeats)
 
 
 def file_records(role: str, args: ModelArgs, path: Path, model: Model, plan: MoEPlan, runs: dict,

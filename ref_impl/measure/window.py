@@ -30,6 +30,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -37,14 +38,13 @@ import numpy as np
 
 from ref_impl.engine.architectures import ARCHITECTURES, swa_layers
 from ref_impl.engine.checkpoint import load_model
-from ref_impl.engine.generate import Sampler, generate_step
 from ref_impl.engine.kvcache import Cache, WindowKVCache
 from ref_impl.engine.model import DTYPES, Model, ModelArgs
 from ref_impl.engine.random import write_random_model
 from ref_impl.formats import gguf
-from ref_impl.measure.kv import fill_random
+from ref_impl.measure.kv import decode_after, fill_random
 from ref_impl.measure.records import dtype_name, record
-from ref_impl.platform.timing import decode_metrics, median, time_tokens
+from ref_impl.platform.timing import decode_metrics, interleaved, median
 from ref_impl.theory import roofline
 from ref_impl.theory.shapes import ModelShape, shape as named_shape
 
@@ -185,16 +185,8 @@ def timed_runs(models: dict[str, Model], caches: dict[str, list[Cache]], context
     warm-up run of each variant, then the variants interleaved round by round (a machine's drift falls on each
     alike); each run's caches trimmed back to `context` after it."""
     token = int(np.random.default_rng(plan.seed).integers(1, TINY["vocab_size"]))
-    runs = {v: [] for v in models}
-    for r in range(-1, plan.repeats):
-        for v, model in models.items():
-            run = time_tokens(generate_step(model, [token], Sampler(), caches[v], pipeline=True), plan.decode_tokens)
-            mx.synchronize()                       # the step the pipeline queued, before the trim
-            for c in caches[v]:
-                c.trim(c.offset - context)
-            if r >= 0:
-                runs[v].append(run)
-    return runs
+    return interleaved({v: partial(decode_after, model, caches[v], token, plan.decode_tokens, context)
+                        for v, model in models.items()}, plan.repeats)
 
 
 def decode_records(files: dict[str, Path], plan: WindowPlan, say: Say) -> list[dict]:

@@ -3,7 +3,8 @@
 Every timing in ref_impl reads `clock` (time.perf_counter: monotonic, the finest resolution the OS
 gives) and is taken by one of three loops here: a fixed number of calls (`repeat`), as many calls as
 fit in a time budget (`within`), or the tokens of a generator as they arrive (`time_tokens`, and
-`token_runs` for a warm-up and repeated generations). A call far shorter than the clock's grain is
+`token_runs` for a warm-up and repeated generations); `interleaved` runs several variants' measurements
+round by round, so a machine's drift falls on all alike. A call far shorter than the clock's grain is
 timed `calls` times back to back per sample (`calls_per_sample` picks how many). `wall` is the
 calendar clock, only for instants compared across processes (perf_counter's zero is per process). The
 numbers a chapter quotes are medians of those samples (`median`): robust to the one
@@ -18,12 +19,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
 clock = time.perf_counter
+K, T = TypeVar("K", bound=Hashable), TypeVar("T")
 wall = time.time
 
 
@@ -98,6 +101,18 @@ def token_runs(make_stream: Callable[[], Iterator], n: int, repeats: int, warmup
     for _ in range(warmup):
         time_tokens(make_stream(), n)
     return [time_tokens(make_stream(), n) for _ in range(repeats)]
+
+
+def interleaved(measure: Mapping[K, Callable[[], T]], repeats: int) -> dict[K, list[T]]:
+    """Each variant's measurement once as a warm-up, then `repeats` rounds that take every variant's once, in
+    order, so a busy neighbour or a drifting clock slows all variants alike; the timed results by variant."""
+    out: dict[K, list[T]] = {key: [] for key in measure}
+    for r in range(-1, repeats):
+        for key, run in measure.items():
+            result = run()
+            if r >= 0:
+                out[key].append(result)
+    return out
 
 
 def decode_metrics(runs: Sequence[TokenRun], prompt_len: int) -> dict[str, tuple[float, list[float]]]:
