@@ -63,7 +63,8 @@ def load_options(a: argparse.Namespace, techniques):
                          "operations")
     # a verification forwards gamma+1 rows: the kernels are chosen for those too when speculating
     rows = (1, techniques.gamma + 1) if techniques.speculate else (1,)
-    return LoadOptions(weights=a.weights, kernels=a.kernels, dtype=a.dtype, rows=rows, compiled=techniques.compiled)
+    return LoadOptions(weights=a.weights, kernels=a.kernels, dtype=a.dtype, rows=rows, compiled=techniques.compiled,
+                       activations=a.activations)
 
 
 def read_prompt(a: argparse.Namespace) -> str:
@@ -397,6 +398,9 @@ def add_decoder(p: argparse.ArgumentParser, max_tokens: int) -> None:
                    help="our CUDA kernels (ref_impl/kernels/: GEMVs, and whole decoder layers fused) where a "
                         "measurement at load finds them faster than MLX's built-ins; auto: on MLX's CUDA backend "
                         "only; on: fail elsewhere")
+    p.add_argument("--activations", choices=["float", "int8"], default="float",
+                   help="int8: the fused layers' quantized matrices meet int8 copies of their inputs, rounded per "
+                        "32 values as llama.cpp's q8_1 (fewer GPU instructions a weight, one more rounding); CUDA only")
     p.add_argument("--compile", action="store_true",
                    help="trace one decode step with mx.compile and replay it at every position (less host time "
                         "per token where the host limits decode)")

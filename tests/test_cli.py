@@ -71,6 +71,10 @@ def test_generate_kernels_off_cuda():
     on = generate("--max-tokens", "8", "--kernels", "on")
     assert on.returncode == 2 and on.stderr.startswith("error: --kernels on") and "CUDA backend" in on.stderr
     assert len(on.stderr.splitlines()) == 1
+    for flags, why in ((["--activations", "int8"], "not MLX's CUDA backend"),
+                       (["--activations", "int8", "--kernels", "off"], "--kernels off")):
+        r = generate("--max-tokens", "8", *flags)
+        assert r.returncode == 2 and r.stderr.startswith("error: --activations int8") and why in r.stderr, r.stderr
 
 
 def test_generate_compiled_gives_the_same_text():

@@ -513,7 +513,7 @@ def test_bench_kernels_quick_flow_with_stand_in_kernels(tmp_path):
         records = bench_kernels("tiny", args, ["Q4_K_M"], tmp_path, prompt_len=8, gen_tokens=8, repeats=1,
                                 quick=True)
     # the CPU loads float32 weights, which the fused layer does not read: "layers" runs on CUDA's float16
-    variants = suite.DECODE_VARIANTS if CUDA else tuple(v for v in suite.DECODE_VARIANTS if v != "layers")
+    variants = suite.DECODE_VARIANTS if CUDA else tuple(v for v in suite.DECODE_VARIANTS if not v.startswith("layers"))
     speed = {r["variant"]: r["value"] for r in records if r["metric"] == "tokens_per_s"}
     assert set(speed) == set(variants) and all(v > 0 for v in speed.values())
     agree = {r["variant"]: r["value"] for r in records if r["metric"] == "greedy_agreement"}
@@ -562,6 +562,10 @@ def test_generate_says_what_it_chose_for_the_fused_layers():
         line = fused_layers(model, compiled=False)
         pattern = r"fused layers: (on|off) for 2 of 2 layers \(decode [\d.]+ ms/token fused, [\d.]+ unfused\)"
         assert re.fullmatch(pattern, line), line
+        q4 = layer_model(256, 8, 2, 512, "q4q8", layers=2)
+        line = fused_layers(q4, compiled=False, int8=True)
+        assert ", 2 with int8 activations (decode" in line and all(b.plan.int8 for b in q4.layers), line
+        assert ", 0 with int8 activations" in fused_layers(model, compiled=False, int8=True)   # float16: none
         wide = layer_model(256, 8, 2, 512, "f16", dtype=mx.float32)
         assert fused_layers(wide, compiled=False).startswith("fused layers: none (q_proj")
 
@@ -832,11 +836,34 @@ def dense64(layer: nn.Module) -> np.ndarray:
     return as_f64(layer.weight)
 
 
-def layer_oracle(block: nn.Module, x: mx.array, keys: np.ndarray, values: np.ndarray, pos: int) -> dict:
+def int8_rounded(v: np.ndarray) -> np.ndarray:
+    """v as the int8 kernels see it (llama.cpp's q8_1): per block of 32 values d = max|v| / 127 and v / d
+    rounded to an integer, both in float32 as the kernel computes them; returns d * round(v / d)."""
+    b = v.astype(np.float32).reshape(-1, 32)
+    amax = np.abs(b).max(axis=1, keepdims=True)
+    d = amax / np.float32(127)
+    q = np.rint(np.divide(b, d, out=np.zeros_like(b), where=amax > 0))
+    return (q.astype(np.float64) * d.astype(np.float64)).ravel()
+
+
+def project(layer: nn.Module, v: np.ndarray, int8: bool) -> np.ndarray:
+    """layer's matrix times v in float64; int8 (a quantized matrix): as the int8 kernels compute it, the codes
+    and scales times the int8-rounded v, each group's bias times the exact sum of v over the group."""
+    if not (int8 and isinstance(layer, nn.QuantizedLinear)):
+        return dense64(layer) @ v
+    vq = int8_rounded(v)
+    group_sums = lambda a: a.reshape(-1, layer.group_size).sum(axis=1)
+    return dense64(layer) @ vq + as_f64(layer.biases) @ (group_sums(v) - group_sums(vq))
+
+
+def layer_oracle(block: nn.Module, x: mx.array, keys: np.ndarray, values: np.ndarray, pos: int,
+                 int8: bool = False) -> dict:
     """One decode step of a Llama layer in float64, rounding to the activation type (float16 or bfloat16)
     wherever MLX's graph stores an intermediate: the rotated query, the new key and value, the attention
-    output, h after attention, the MLP hidden, and y. keys/values (H_kv, >= pos, D) hold positions < pos."""
+    output, h after attention, the MLP hidden, and y. keys/values (H_kv, >= pos, D) hold positions < pos.
+    int8: every quantized matrix meets its input as the int8 kernels do (`project`)."""
     dt = x.dtype
+    mm = lambda layer, v: project(layer, v, int8)
     r = lambda a: np.array(mx.array(a.astype(np.float32)).astype(dt).astype(mx.float32)).astype(np.float64)
     attn, mlp = block.self_attn, block.mlp
     H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
@@ -857,9 +884,9 @@ def layer_oracle(block: nn.Module, x: mx.array, keys: np.ndarray, values: np.nda
 
     xf = as_f64(x).ravel()
     xn = norm(xf, block.input_layernorm)
-    q = rope(r(dense64(attn.q_proj) @ xn).reshape(H, D))
-    k = rope(r(dense64(attn.k_proj) @ xn).reshape(Hkv, D))
-    v = r(dense64(attn.v_proj) @ xn).reshape(Hkv, D)
+    q = rope(r(mm(attn.q_proj, xn)).reshape(H, D))
+    k = rope(r(mm(attn.k_proj, xn)).reshape(Hkv, D))
+    v = r(mm(attn.v_proj, xn)).reshape(Hkv, D)
     K = np.concatenate([keys[:, :pos], k[:, None]], axis=1)
     V = np.concatenate([values[:, :pos], v[:, None]], axis=1)
     o = np.empty((H, D))
@@ -867,11 +894,11 @@ def layer_oracle(block: nn.Module, x: mx.array, keys: np.ndarray, values: np.nda
         s = K[h // (H // Hkv)] @ q[h] * attn.scale
         p = np.exp(s - s.max())
         o[h] = p @ V[h // (H // Hkv)] / p.sum()
-    h = r(xf + r(dense64(attn.o_proj) @ r(o.ravel())))
+    h = r(xf + r(mm(attn.o_proj, r(o.ravel()))))
     hn = norm(h, block.post_attention_layernorm)
-    g, u = r(dense64(mlp.gate_proj) @ hn), r(dense64(mlp.up_proj) @ hn)
+    g, u = r(mm(mlp.gate_proj, hn)), r(mm(mlp.up_proj, hn))
     a = r(r(g * r(1 / (1 + np.exp(-g)))) * u)
-    return {"q": q.ravel(), "k": k, "v": v, "h": h, "a": a, "y": r(h + r(dense64(mlp.down_proj) @ a))}
+    return {"q": q.ravel(), "k": k, "v": v, "h": h, "a": a, "y": r(h + r(mm(mlp.down_proj, a)))}
 
 
 def close(got: np.ndarray, want: np.ndarray) -> float:
@@ -925,10 +952,21 @@ def test_fused_layer_launches_cover_every_row():
     for name, k in widths.items():      # the last padded index, k - 1 + 4 (k - 1) // 32, fits
         assert plan.shared[name] >= 4 * (k + 4 * ((k - 1) // 32))
     assert plan.shared["attn_out"] >= 4 * (4096 + 4 * 4095 // 32 + 32 * fusedlayer.MAX_SPLITS)   # + split weights
-    assert plan.shared["attend"] == 4 * fusedlayer.WARPS["attend"] * 4 * 130
+    # attend: each warp's partial results for the 4 query heads (128 values, max, sum), then the 4 queries in
+    # quarters of 32 values, each padded by 4
+    assert plan.shared["attend"] == 4 * (fusedlayer.WARPS["attend"] * 4 * 130 + 4 * 4 * 36)
     assert dict(plan.templates["attend"])["G"] == 4
     assert dict(plan.templates["attn_in"])["B2"] == 8 and dict(plan.templates["mlp_out"])["B0"] == 8
     assert [fusedlayer.splits(n) for n in (1, 64, 65, 256, 10 ** 6)] == [1, 1, 2, 4, fusedlayer.MAX_SPLITS]
+    # int8 activations: the matrix kernels say so, and each holds the row's int8 copy after its floats (a float2
+    # per 16 values, then k bytes in two regions 64 bytes apart); a dense layer has no int8 kernels
+    q8 = fusedlayer.launches(block, int8=True)
+    for name, k in widths.items():
+        assert q8.int8 and dict(q8.templates[name])["Q8"] and not plan.int8 and not dict(plan.templates[name])["Q8"]
+        assert q8.shared[name] >= 4 * (k + 4 * (k // 32) + 4) + 8 * (k // 16) + k + 64
+    dense = TransformerBlock(args_for("Llama-3.1-8B"))
+    dense.set_dtype(mx.float16)
+    assert not any(dict(t).get("Q8") for t in fusedlayer.launches(dense, int8=True).templates.values())
 
 
 def test_fused_layer_sources_match_their_inputs():
@@ -986,16 +1024,19 @@ def test_fused_layer_routes_one_token_steps_only():
 def test_fused_layer_against_float64_oracle():
     """Every kernel of the fused layer (fusedlayer_cuda.py) on random layers: dense float16 and bfloat16, the
     Q4_K_M mix of 4- and 8-bit groups of 32, 4-bit groups of 64 at Llama-3.1-8B's layer shape; adjacent and
-    half-head RoPE pairs; head sizes 64 and 128; at positions that give attend 1 to 4 key-length splits."""
+    half-head RoPE pairs; head sizes 64 and 128; at positions that give attend 1 to 4 key-length splits. The
+    quantized layers run twice: float activations, and int8 ones against the oracle that rounds as they do (and
+    within a few percent of the float oracle: the rounding itself)."""
     cases = [(512, 8, 2, 1408, "f16", "llama", mx.float16, (0, 5, 300)),
              (512, 8, 8, 1024, "f16", "qwen2", mx.bfloat16, (1, 260)),
              (1024, 8, 2, 2816, "q4q8", "qwen2", mx.float16, (3, 700)),
              (1024, 16, 4, 2048, "q4q8", "llama", mx.float16, (17,)),
              (4096, 32, 8, 14336, "q4g64", "llama", mx.float16, (1000,))]
     rng = np.random.default_rng(0)
-    for hidden, heads, kv, inter, quant, arch, dt, positions in cases:
+    for (hidden, heads, kv, inter, quant, arch, dt, positions), int8 in [
+            (case, int8) for case in cases for int8 in ((False, True) if case[4] != "f16" else (False,))]:
         model = layer_model(hidden, heads, kv, inter, quant, arch, dt)
-        assert fusedlayer.fuse(model) == {}
+        assert fusedlayer.fuse(model, int8=int8) == {}
         layer = model.layers[0]
         D = layer.self_attn.head_dim
         for pos in positions:
@@ -1007,14 +1048,20 @@ def test_fused_layer_against_float64_oracle():
             x = (mx.random.normal((1, 1, hidden), key=mx.random.key(pos)) * 2).astype(dt)
             mx.eval(x, cache.keys, cache.values)
             keys, values = as_f64(cache.keys)[0], as_f64(cache.values)[0]    # as stored, before the write
-            want = layer_oracle(layer, x, keys, values, pos)
+            want = layer_oracle(layer, x, keys, values, pos, int8)
             query, part, h, a, y = layer.step(x, cache)
             mx.eval(y)
             assert part.shape[0] == fusedlayer.splits(pos + 1)
             got = {"q": as_f64(query).ravel(), "k": as_f64(cache.keys)[0, :, pos], "v": as_f64(cache.values)[0, :, pos],
                    "h": as_f64(h).ravel(), "a": as_f64(a).ravel(), "y": as_f64(y).ravel()}
             errs = {s: close(got[s], want[s]) for s in want}
-            print(f"  {quant} {dtype_name(dt)} {arch} d={hidden} H={heads}/{kv} D={D} f={inter} pos {pos} "
+            if int8:
+                plain = layer_oracle(layer, x, keys, values, pos)
+                drift = {s: close(want[s], plain[s]) for s in ("q", "h", "y")}
+                print("    int8 rounding against float activations: " + ", ".join(
+                    f"{s} {e:.1e}" for s, e in drift.items()), flush=True)
+                assert max(drift.values()) < 0.05, drift
+            print(f"  {quant}{' int8' if int8 else ''} {dtype_name(dt)} {arch} d={hidden} H={heads}/{kv} D={D} f={inter} pos {pos} "
                   f"({part.shape[0]} splits): " + ", ".join(f"{s} {e:.1e}" for s, e in errs.items()), flush=True)
             assert max(errs.values()) < 2 ** -7, errs
             untouched = np.delete(np.arange(pos + 8), pos)
@@ -1023,19 +1070,21 @@ def test_fused_layer_against_float64_oracle():
 
 @cuda_only
 def test_fused_decoder_keeps_greedy_tokens():
-    """The shipped model in float16 and 4-bit, every layer fused: the same greedy tokens as MLX's built-ins,
-    and a prompt or a speculative verification (several rows) still runs the plain layer on the same cache."""
+    """The shipped model in float16 and 4-bit, and 4- and 8-bit with int8 activations, every layer fused: the
+    same greedy tokens as MLX's built-ins, and a prompt or a speculative verification (several rows) still runs
+    the plain layer on the same cache."""
     prompt = [3, 17, 42, 5, 96, 11, 64, 23]
-    for quant in (None, (32, 4)):
+    for quant, int8 in ((None, False), ((32, 4), False), ((32, 4), True), ((32, 8), True)):
         ref, _ = load(SHIPPED, mx.float16)
         model, _ = load(SHIPPED, mx.float16)
         for m in (ref, model):
             if quant:
                 nn.quantize(m, group_size=quant[0], bits=quant[1])
-        assert fusedlayer.fuse(model) == {}
+        assert fusedlayer.fuse(model, int8=int8) == {}
         want, ids = greedy(ref, prompt, 24), greedy(model, prompt, 24)
-        print(f"  shipped model {quant or 'float16'}, fused layers: greedy tokens equal: {want == ids}", flush=True)
-        agree_teacher_forced(ref, model, prompt, want, f"{quant} fused layers")
+        label = f"{quant or 'float16'}{' int8 activations' if int8 else ''}"
+        print(f"  shipped model {label}, fused layers: greedy tokens equal: {want == ids}", flush=True)
+        agree_teacher_forced(ref, model, prompt, want, f"{label} fused layers")
         assert want == ids
         assert kernels.count_kernels(model) < kernels.count_kernels(ref) / 2
 

@@ -21,17 +21,21 @@ def test_a_setting_names_what_it_changes():
 
 
 def test_applied_sets_the_tables_and_restores_them_even_on_error():
-    before = (dict(fusedlayer.WARPS), dict(fusedlayer.UNROLL), fusedlayer.ROWS_PER_WARP, fusedlayer.KEYS_PER_SPLIT)
+    tables = lambda: (dict(fusedlayer.WARPS), dict(fusedlayer.UNROLL), fusedlayer.ROWS_PER_WARP,
+                      fusedlayer.KEYS_PER_SPLIT, fusedlayer.PREFETCH)
+    before = tables()
     with pytest.raises(RuntimeError):
-        setting = Setting(warps={"mlp_in": 4}, unroll={"attn_in": 8}, rows_per_warp=1, keys_per_split=32)
+        setting = Setting(warps={"mlp_in": 4}, unroll={"attn_in": 8}, rows_per_warp=1, keys_per_split=32,
+                          prefetch=not before[4])
         with layerlaunch.applied(setting):
             assert fusedlayer.WARPS["mlp_in"] == 4 and fusedlayer.WARPS["attn_out"] == before[0]["attn_out"]
             assert fusedlayer.UNROLL["attn_in"] == (8, 8) and fusedlayer.UNROLL["mlp_in"] == before[1]["mlp_in"]
-            assert (fusedlayer.ROWS_PER_WARP, fusedlayer.KEYS_PER_SPLIT) == (1, 32)
+            assert (fusedlayer.ROWS_PER_WARP, fusedlayer.KEYS_PER_SPLIT, fusedlayer.PREFETCH) == (1, 32, not before[4])
             fields = layerlaunch.launch_fields(quantized=True)
             assert fields["unroll"]["attn_in"] == 8 and fields["warps"]["mlp_in"] == 4 and fields["rows_per_warp"] == 1
+            assert fields["prefetch"] is not before[4]
             raise RuntimeError("a failed measurement")
-    assert before == (fusedlayer.WARPS, fusedlayer.UNROLL, fusedlayer.ROWS_PER_WARP, fusedlayer.KEYS_PER_SPLIT)
+    assert before == tables()
     dense, quantized = layerlaunch.launch_fields(False), layerlaunch.launch_fields(True)
     assert dense["unroll"] == {k: v[0] for k, v in fusedlayer.UNROLL.items()}
     assert quantized["unroll"] == {k: v[1] for k, v in fusedlayer.UNROLL.items()}
@@ -55,6 +59,12 @@ def test_a_setting_is_measured_as_its_records_say():
         assert layerlaunch.fused_or_skipped("layer-launch", model, {"model": "m"}) == []
         with layerlaunch.applied(Setting(warps={"mlp_in": 4})):
             assert layerlaunch.relaunch(model) == 2 and model.layers[0].plan.threads["mlp_in"] == 4 * 32
+        with layerlaunch.applied(Setting(int8=True, prefetch=False)):
+            layerlaunch.relaunch(model, int8=True)
+            attend = dict(model.layers[0].plan.templates["attend"])
+            assert model.layers[0].plan.int8 and not attend["PF"] and Setting(int8=True).changed == {"int8": True}
+        layerlaunch.relaunch(model)
+        assert not model.layers[0].plan.int8 and dict(model.layers[0].plan.templates["attend"])["PF"]
         fields = {"model": "m", "weights": "q4q8", "kv": "f16", "context": 24}
         recs = layerlaunch.setting_records(model, Setting(warps={"mlp_in": 4}), fields, context=24, tokens=4)
         assert model.layers[0].plan.threads["mlp_in"] == fusedlayer.WARPS["mlp_in"] * 32

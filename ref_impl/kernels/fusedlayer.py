@@ -6,7 +6,8 @@ than the GPU needs to read the weights. Fusing GEMVs (patching.py) only trims th
 whole layer's decode step as five `mx.fast.cuda_kernel` launches (source in fusedlayer_cuda.py):
 
     attn_in   RMSNorm, the q, k and v projections, RoPE, k and v written into the layer's KVCache
-    attend    attention of the new query over the cache, split over the key length (grouped-query aware)
+    attend    attention of the new query over the cache, split over the key length (grouped-query aware);
+              meanwhile attn_out's matrix moves into L2
     attn_out  the splits merged, the output projection, the residual
     mlp_in    RMSNorm, silu(gate) * up
     mlp_out   the down projection, the residual
@@ -64,8 +65,8 @@ ROWS_PER_WARP = 2       # output rows a warp computes (attn_in: always one RoPE 
 # one's 8, so fewer suffice; quantized attn_in took 31.5 us with 4 and 25.7 with 2 (the profile above)
 UNROLL = {"attn_in": (4, 2), "attn_out": (4, 4), "mlp_in": (2, 2), "mlp_out": (4, 4)}
 KEYS_PER_SPLIT = 64     # attend: one block per key head and this many positions
-KEYS_AT_ONCE = 4        # attend: keys a warp loads before it computes
 MAX_SPLITS = 32
+PREFETCH = True         # attend moves attn_out's matrix into L2 (attn_out is latency-bound; attend reads little)
 MAX_GROUP = 16          # query heads per key head attend keeps in registers
 # each kernel's matrices, by their names in engine.model (self_attn.* or mlp.*)
 READS = {"attn_in": ("q_proj", "k_proj", "v_proj"), "attend": (), "attn_out": ("o_proj",),
@@ -182,21 +183,30 @@ def why_not(block: nn.Module) -> str | None:
 @dataclass(frozen=True)
 class Launches:
     """The five launches of one layer: per kernel its template, grid and block (threads, as MLX takes them)
-    and shared memory bytes; attend's grid is per call (it depends on the key count)."""
+    and shared memory bytes; attend's grid is per call (it depends on the key count). int8: the matrix kernels
+    read int8 activations (asked for, and the layer's matrices quantized)."""
     templates: dict
     grids: dict
     threads: dict
     shared: dict
+    int8: bool = False
 
 
-def launches(block: TransformerBlock) -> Launches:
-    """The launch geometry of a layer that `why_not` accepts."""
+def q8_bytes(k: int) -> int:
+    """Bytes of shared memory for the int8 copy of a staged row of k values (fusedlayer_cuda.quantize_row): a
+    float2 per 16 values, then the values in two regions 64 bytes apart."""
+    return 8 * (k // 16) + k + 128
+
+
+def launches(block: TransformerBlock, int8: bool = False) -> Launches:
+    """The launch geometry of a layer that `why_not` accepts; int8: quantized matrices meet int8 activations."""
     attn, mlp = block.self_attn, block.mlp
     fmts = [matrix(m)[0] for m in projections(block).values()]
     hq, hkv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
     d, f = block.input_layernorm.weight.shape[0], mlp_width(mlp)
     t = DTYPES[fmts[0].dtype]
     quantized = int(fmts[0].bits != 16)       # why_not: one layer, all dense or all quantized
+    q8 = int8 and bool(quantized)
 
     def fmt(i: int, fm: Format) -> list:
         return [(f"B{i}", fm.bits), (f"G{i}", fm.group_size or 1)]
@@ -209,12 +219,12 @@ def launches(block: TransformerBlock) -> Launches:
         return [("T", t), ("NW", WARPS[name])]
 
     def rows(name: str) -> list:
-        return [("R", ROWS_PER_WARP), ("U", UNROLL[name][quantized])]
+        return [("R", ROWS_PER_WARP), ("U", UNROLL[name][quantized]), ("Q8", q8)]
 
     templates = {
         "attn_in": head("attn_in") + fmt(0, fmts[0]) + fmt(1, fmts[1]) + fmt(2, fmts[2])
-        + [("D", hd), ("U", UNROLL["attn_in"][quantized]), ("TRAD", attn.rope_traditional)],
-        "attend": head("attend") + [("D", hd), ("G", hq // hkv), ("KB", KEYS_AT_ONCE)],
+        + [("D", hd), ("U", UNROLL["attn_in"][quantized]), ("TRAD", attn.rope_traditional), ("Q8", q8)],
+        "attend": head("attend") + fmt(0, fmts[3]) + [("D", hd), ("G", hq // hkv), ("PF", PREFETCH)],
         "attn_out": head("attn_out") + fmt(0, fmts[3]) + rows("attn_out") + [("D", hd)],
         "mlp_in": head("mlp_in") + fmt(0, fmts[4]) + rows("mlp_in"),
         "mlp_out": head("mlp_out") + fmt(0, fmts[6]) + rows("mlp_out"),
@@ -223,9 +233,12 @@ def launches(block: TransformerBlock) -> Launches:
     counts = {"attn_in": blocks("attn_in", (hq + 2 * hkv) * hd, per_warp=2), "attn_out": blocks("attn_out", d),
               "mlp_in": blocks("mlp_in", f), "mlp_out": blocks("mlp_out", d)}
     grids = {k: threads[k] * b for k, b in counts.items()}
-    shared = {"attn_in": 4 * padded(d), "attend": 4 * WARPS["attend"] * (hq // hkv) * (hd + 2),
-              "attn_out": 4 * (padded(hq * hd) + hq * MAX_SPLITS), "mlp_in": 4 * padded(d), "mlp_out": 4 * padded(f)}
-    return Launches(templates, grids, threads, shared)
+    row = lambda k: 4 * padded(k) + (q8_bytes(k) if q8 else 0)    # the staged row, and its int8 copy
+    partials = WARPS["attend"] * (hq // hkv) * (hd + 2)             # attend: each warp's, then the queries
+    shared = {"attn_in": row(d), "attend": 4 * (-(-partials // 4) * 4 + (hq // hkv) * (hd + 16)),
+              "attn_out": 4 * padded(hq * hd) + max(4 * hq * MAX_SPLITS, q8_bytes(hq * hd) if q8 else 0),
+              "mlp_in": row(d), "mlp_out": row(f)}
+    return Launches(templates, grids, threads, shared, q8)
 
 
 def rope_frequencies(attn: nn.Module) -> np.ndarray:
@@ -245,18 +258,23 @@ def position(offset: int) -> mx.array:
 
 class FusedLayer(TransformerBlock):
     """A TransformerBlock (same children, same parameter names) whose one-token steps on a KVCache run as
-    five fused kernels while switched on (`switch`); every other call runs the plain layer."""
+    five fused kernels while switched on (`switch`); every other call runs the plain layer. int8: quantized
+    matrices meet int8 activations (llama.cpp's way: fewer instructions a weight, a rounding of every input)."""
 
     def __init__(self, block: TransformerBlock):
         nn.Module.__init__(self)
         self.self_attn, self.mlp = block.self_attn, block.mlp
         self.input_layernorm, self.post_attention_layernorm = block.input_layernorm, block.post_attention_layernorm
+        self.int8 = False
         self.plan = launches(self)
         self.on = False
         self.stages: dict[str, Callable[..., mx.array]] = {}
 
-    def switch(self, on: bool) -> None:
-        """Run one-token steps fused (on) or as the plain layer; on binds the layer's arrays now."""
+    def switch(self, on: bool, int8: bool | None = None) -> None:
+        """Run one-token steps fused (on) or as the plain layer, with int8 activations or float ones (None: as
+        before); on binds the layer's arrays now."""
+        if int8 is not None and int8 != self.int8:
+            self.int8, self.plan = int8, launches(self, int8)
         self.on = on
         self.stages = self.bind() if on else {}
 
@@ -284,8 +302,8 @@ class FusedLayer(TransformerBlock):
 
         def attend(query: mx.array, cache: KVCache, at: mx.array) -> mx.array:
             n = splits(cache.offset + 1)
-            return run(katt, "attend", [query, cache.keys, cache.values, at, scale], (n, hq, hd + 2), mx.float32,
-                       thr["attend"] * hkv * n)
+            return run(katt, "attend", [query, cache.keys, cache.values, at, scale, *o], (n, hq, hd + 2),
+                       mx.float32, thr["attend"] * hkv * n)
 
         return {
             "attn_in": lambda x, cache, at: run(kin, "attn_in", [x, n1, eps, *q, *k, *v, freqs, at, cache.keys,
@@ -331,23 +349,24 @@ def kernel_bytes(layer: FusedLayer, name: str, keys: int) -> int:
     return nbytes
 
 
-def fuse(model: Model, on: bool = True) -> dict[int, str]:
-    """Swap every decoder layer `why_not` accepts for a FusedLayer, switched on (on CUDA only); returns the
-    reason per layer left as it was. Off CUDA nothing is swapped: every layer's reason says why."""
+def fuse(model: Model, on: bool = True, int8: bool = False) -> dict[int, str]:
+    """Swap every decoder layer `why_not` accepts for a FusedLayer, switched on (on CUDA only) with int8 or
+    float activations; returns the reason per layer left as it was. Off CUDA nothing is swapped: every layer's
+    reason says why."""
     if not on_cuda():
         return {i: f"the fused layer needs MLX's CUDA backend; this is {mx.default_device()}"
                 for i in range(len(model.layers))}
     left = {}
     for i, block in enumerate(model.layers):
         if isinstance(block, FusedLayer):
-            block.switch(on)
+            block.switch(on, int8)
             continue
         reason = why_not(block)
         if reason is not None:
             left[i] = reason
             continue
         model.layers[i] = FusedLayer(block)
-        model.layers[i].switch(on)
+        model.layers[i].switch(on, int8)
     return left
 
 

@@ -128,6 +128,144 @@ __device__ __forceinline__ void dot(const float* xs, int k, const uint32_t* cons
   for (int r = 0; r < RW; ++r) tot[r] = warp_sum(tot[r]);
 }
 
+// Int8 activations (Q8 kernels), as llama.cpp's q8_1: the staged row quantized per block of 32 values, d =
+// max|v| / 127, v ~ d * round(v / d), so that a 16-byte chunk of 4- or 8-bit codes meets its activations in
+// dp4a instructions (four byte products summed into an int32 at once) instead of decoding every code into a
+// float. The block's shared memory after the float row holds, per 16 values (half a block), a float2 (d of its
+// block, the sum of its 16 float values: a group's bias multiplies the exact sum) and then the int8 values in
+// two regions, the first 16 values of every block in one and the last 16 in the other (a lane reads chunk c,
+// the next lane c + 1: 16-byte reads 16 bytes apart), 64 bytes apart so that the two regions' banks differ.
+// In each 8 values the 4 at even positions come first: a word of 4-bit codes holds code e at bits 4e, so
+// masking its low and high nibbles gives the even and odd positions' codes as bytes.
+__device__ __forceinline__ float2* q8_scales(float* xs, int k) { return reinterpret_cast<float2*>(xs + pad(k) + 4); }
+__device__ __forceinline__ uint8_t* q8_values(float* xs, int k) {
+  return reinterpret_cast<uint8_t*>(xs + pad(k) + 4) + k / 2;
+}
+__device__ __forceinline__ int q8_region(int k) { return k / 2 + 64; }
+
+__device__ __forceinline__ uint32_t pack4(int a, int b, int c, int d) {
+  return (uint32_t)(a & 0xFF) | ((uint32_t)(b & 0xFF) << 8) | ((uint32_t)(c & 0xFF) << 16) | ((uint32_t)d << 24);
+}
+
+// The block quantizes the staged float row (k values, padded, k a multiple of 32) into q8_scales and q8_values.
+// A thread takes 8 values; the 4 threads of a block of 32 are 4 adjacent lanes, so shuffles find its max.
+__device__ __forceinline__ void quantize_row(float* xs, int k) {
+  float2* ds = q8_scales(xs, k);
+  uint8_t* xq = q8_values(xs, k);
+  const int region = q8_region(k);
+  for (int base = 0; base < k / 8; base += blockDim.x) {     // every thread of a warp in every round: shuffles
+    const int c = base + threadIdx.x;
+    const bool mine = c < k / 8;
+    float f[8], amax = 0.0f, sum = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      f[i] = mine ? xs[pad(8 * c + i)] : 0.0f;
+      amax = fmaxf(amax, fabsf(f[i]));
+      sum += f[i];
+    }
+    amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);               // the half block's 16 values
+    const float d = __fdiv_rn(amax, 127.0f);
+    int q[8];
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) q[i] = amax == 0.0f ? 0 : __float2int_rn(__fdiv_rn(f[i], d));
+    if (mine) {
+      const int blk = c >> 2, half = (c >> 1) & 1, eight = c & 1;
+      *reinterpret_cast<uint2*>(xq + half * region + 16 * blk + 8 * eight) =
+          make_uint2(pack4(q[0], q[2], q[4], q[6]), pack4(q[1], q[3], q[5], q[7]));
+      if (eight == 0) ds[2 * blk + half] = make_float2(d, sum);
+    }
+  }
+  __syncthreads();
+}
+
+// acc + the dot product of 4 unsigned 8-bit codes with 4 signed 8-bit activations
+__device__ __forceinline__ int dot4(uint32_t codes, uint32_t xq, int acc) {
+  int r;
+  asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(r) : "r"(codes), "r"(xq), "r"(acc));
+  return r;
+}
+
+// dot() on the int8 row: a chunk of 32 4-bit codes (one block of activations) or 16 8-bit codes (half a block)
+// is 8 dp4a; s * d * (the int32 sum) + b * (the chunk's sum of x) is its share of the affine dot product.
+template <bool AL, typename T, int BITS, int GROUP, int RW, int U>
+__device__ __forceinline__ void dot_q8(float* xs, int k, const uint32_t* const (&w)[RW], const T* const (&s)[RW],
+                                       const T* const (&b)[RW], float (&tot)[RW]) {
+  constexpr int CV = 128 / BITS;               // values per 16-byte chunk
+  const float2* ds = q8_scales(xs, k);
+  const uint8_t* xq = q8_values(xs, k);
+  const int lane = threadIdx.x & 31, chunks = k / CV, region = q8_region(k);
+  #pragma unroll
+  for (int r = 0; r < RW; ++r) tot[r] = 0.0f;
+  for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
+    uint4 wq[U][RW];
+    float sc[U][RW], bi[U][RW];
+    #pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + 32 * u;
+      #pragma unroll
+      for (int r = 0; r < RW; ++r) {
+        wq[u][r] = c < chunks ? ::ref_gemv::load_weights<AL>(w[r] + 4 * c) : make_uint4(0u, 0u, 0u, 0u);
+        sc[u][r] = c < chunks ? to_float(s[r][c * CV / GROUP]) : 0.0f;
+        bi[u][r] = c < chunks ? to_float(b[r][c * CV / GROUP]) : 0.0f;
+      }
+    }
+    #pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + 32 * u;
+      if (c < chunks) {
+        uint4 xa, xb;
+        float d, xsum;
+        if constexpr (BITS == 4) {               // block c: values 0-15 in the first region, 16-31 in the second
+          xa = *reinterpret_cast<const uint4*>(xq + 16 * c);
+          xb = *reinterpret_cast<const uint4*>(xq + region + 16 * c);
+          const float4 f = *reinterpret_cast<const float4*>(ds + 2 * c);
+          d = f.x;
+          xsum = f.y + f.w;
+        } else {                                 // half c & 1 of block c >> 1
+          xa = *reinterpret_cast<const uint4*>(xq + (c & 1) * region + 16 * (c >> 1));
+          xb = xa;
+          const float2 f = ds[c];
+          d = f.x;
+          xsum = f.y;
+        }
+        #pragma unroll
+        for (int r = 0; r < RW; ++r) {
+          const uint4 v = wq[u][r];
+          int acc = 0;
+          if constexpr (BITS == 4) {             // word i: values 8i..8i+7, even codes in the low nibbles
+            acc = dot4(v.x & 0x0F0F0F0Fu, xa.x, acc);
+            acc = dot4((v.x >> 4) & 0x0F0F0F0Fu, xa.y, acc);
+            acc = dot4(v.y & 0x0F0F0F0Fu, xa.z, acc);
+            acc = dot4((v.y >> 4) & 0x0F0F0F0Fu, xa.w, acc);
+            acc = dot4(v.z & 0x0F0F0F0Fu, xb.x, acc);
+            acc = dot4((v.z >> 4) & 0x0F0F0F0Fu, xb.y, acc);
+            acc = dot4(v.w & 0x0F0F0F0Fu, xb.z, acc);
+            acc = dot4((v.w >> 4) & 0x0F0F0F0Fu, xb.w, acc);
+          } else {                               // words of 4 codes in order: gather the even and odd positions
+            acc = dot4(__byte_perm(v.x, v.y, 0x6420), xa.x, acc);
+            acc = dot4(__byte_perm(v.x, v.y, 0x7531), xa.y, acc);
+            acc = dot4(__byte_perm(v.z, v.w, 0x6420), xa.z, acc);
+            acc = dot4(__byte_perm(v.z, v.w, 0x7531), xa.w, acc);
+          }
+          tot[r] += fmaf(sc[u][r] * d, (float)acc, bi[u][r] * xsum);
+        }
+      }
+    }
+  }
+  #pragma unroll
+  for (int r = 0; r < RW; ++r) tot[r] = warp_sum(tot[r]);
+}
+
+// The dot product of a kernel's rows with its staged row: on the int8 copy (Q8, quantized matrices) or the floats
+template <bool Q8, bool AL, typename T, int BITS, int GROUP, int RW, int U>
+__device__ __forceinline__ void dot_row(float* xs, int k, const uint32_t* const (&w)[RW], const T* const (&s)[RW],
+                                        const T* const (&b)[RW], float (&tot)[RW]) {
+  if constexpr (Q8 && BITS != 16) dot_q8<AL, T, BITS, GROUP, RW, U>(xs, k, w, s, b, tot);
+  else dot<AL, T, BITS, GROUP, RW, U>(xs, k, w, s, b, tot);
+}
+
 // Row `row` of one matrix as dot() takes it: words per row k * BITS / 32, groups per row k / GROUP
 template <typename T, int BITS, int GROUP>
 __device__ __forceinline__ void row_ptrs(const void* w, const T* s, const T* b, int k, int row,
@@ -150,6 +288,20 @@ __device__ __forceinline__ void prefetch(const uint32_t* const (&w)[RW], int wor
       if (4 * c < words) asm volatile("prefetch.global.L2 [%0];" :: "l"(w[r] + 4 * c));
     }
   }
+}
+
+// This thread's share of an array moved into L2 ahead of its reader, the grid's nth threads splitting its bytes
+// in whole 256-byte pieces: on sm_90 one bulk prefetch (the copy engine fetches it), elsewhere a line at a time
+__device__ __forceinline__ void prefetch_l2(const void* p, int64_t bytes, int64_t tid, int64_t nth) {
+  const int64_t slice = ((bytes + nth - 1) / nth + 255) & ~int64_t(255), at = tid * slice;
+  if (at >= bytes) return;
+  const char* a = static_cast<const char*>(p) + at;
+  const int64_t len = min(slice, bytes - at);
+#if __CUDA_ARCH__ >= 900
+  if (len >= 16) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(a), "r"((uint32_t)(len & ~int64_t(15))) : "memory");
+#else
+  for (int64_t o = 0; o < len; o += 128) asm volatile("prefetch.global.L2 [%0];" :: "l"(a + o));
+#endif
 }
 
 // The block stages RMSNorm(x) * w (k values, k a multiple of 8) in xs, as MLX rounds it: x * rsqrt(mean(x^2) +
@@ -256,8 +408,9 @@ __device__ __forceinline__ void load_head(const T* p, float (&f)[E]) {
 # Each body runs in the signature MLX generates from fusedlayer.py's input and output names; `xs` is the
 # dynamic shared memory fusedlayer.py sizes. Template constants: T (the activation type), NW (warps per block),
 # the formats of the matrices (B0, G0, ...: bits and group size; bits 16 is a dense matrix), and per kernel
-# the rows per warp R, the loads in flight U, the head size D, the query heads per key head G, keys a
-# warp of attend reads at once KB, TRAD.
+# the rows per warp R, the loads in flight U, the head size D, the query heads per key head G, TRAD, Q8 (the
+# matrix kernels multiply quantized matrices by an int8 copy of their staged row: quantize_row, dot_q8) and
+# PF (attend prefetches attn_out's matrix, w0 s0 b0, into L2).
 # `al`: every weight pointer 16-byte aligned (otherwise the 2-byte-load path, same results).
 
 # Norm, the q, k and v projections, RoPE and the cache write. A warp computes two rows that RoPE rotates
@@ -285,24 +438,26 @@ ATTN_IN = r"""
     else if (which == 1) ::ref_layer::row_ptrs<T, B1, G1>(w1, s1, b1, k, row[r], wr[r], sr[r], br[r]);
     else ::ref_layer::row_ptrs<T, B2, G2>(w2, s2, b2, k, row[r], wr[r], sr[r], br[r]);
   }
+  const int at = pos[0];                                   // loaded now: the GPU fetches them while the block
+  const float rate = live && which < 2 ? freqs[i] : 0.0f;  // stages its row, not after the dot
   if (live) ::ref_layer::prefetch<2, U>(wr, k * (which == 0 ? B0 : which == 1 ? B1 : B2) / 32);
   ::ref_layer::stage_norm<T>(x, nw, eps[0], k, xs);
+  if constexpr (Q8) ::ref_layer::quantize_row(xs, k);
   if (!live) return;
   const bool al = (((uintptr_t)w0 | (uintptr_t)w1 | (uintptr_t)w2) & 15) == 0;
   float y[2];
   #define REF_DOT(B, G) \
-    if (al) ::ref_layer::dot<true, T, B, G, 2, U>(xs, k, wr, sr, br, y); \
-    else ::ref_layer::dot<false, T, B, G, 2, U>(xs, k, wr, sr, br, y);
+    if (al) ::ref_layer::dot_row<Q8, true, T, B, G, 2, U>(xs, k, wr, sr, br, y); \
+    else ::ref_layer::dot_row<Q8, false, T, B, G, 2, U>(xs, k, wr, sr, br, y);
   if (which == 0) { REF_DOT(B0, G0) }
   else if (which == 1) { REF_DOT(B1, G1) }
   else { REF_DOT(B2, G2) }
   #undef REF_DOT
   if (lane != 0) return;
   float a = ::ref_layer::rnd<T>(y[0]), c = ::ref_layer::rnd<T>(y[1]);   // the projections, in T
-  const int at = pos[0];
   if (which < 2) {
     float sn, cs;
-    sincosf((float)at * freqs[i], &sn, &cs);
+    sincosf((float)at * rate, &sn, &cs);
     const float a2 = a * cs - c * sn;
     c = a * sn + c * cs;
     a = a2;
@@ -319,62 +474,95 @@ ATTN_IN = r"""
 """
 
 # Decode attention over the cache, split over the key length: block (key head, split) reads keys and values
-# of its share of positions 0..pos once for the G query heads of that key head (grouped-query attention);
-# each warp keeps an online softmax over every NW-th key, then the block merges its warps into
-# part[split, head] = (sum exp(s - m) v, m, sum exp(s - m)). attn_out merges the splits.
+# of its share of positions 0..pos once for the G query heads of that key head (grouped-query attention).
+# A warp takes 8 keys at a time, 4 lanes a key: each lane dots a quarter of its key with the G queries (staged
+# in shared memory, scaled), two shuffles add the quarters, and an online softmax over the 8 keys updates
+# the lane's share of each head's output (dims lane*E.., the 8 keys' weights passed by shuffles). Then the
+# block merges its warps into part[split, head] = (sum exp(s - m) v, m, sum exp(s - m)). attn_out merges the
+# splits. (One key a warp, 32 lanes a key, spent five dependent shuffles a key and head: 16 us a layer.)
 ATTEND = r"""
   extern __shared__ float xs[];
-  constexpr int E = D / 32;
+  constexpr int E = D / 32, LK = 4, KS = 32 / LK, SD = D / LK, QROW = SD + 4;   // a quarter, padded: no conflicts
   const int hkv = kc_shape[1], cap = kc_shape[2], hq = hkv * G;
   const int splits = gridDim.x / hkv, hk = blockIdx.x / splits, sp = blockIdx.x % splits;
   const int n = pos[0] + 1, per = (n + splits - 1) / splits, j0 = sp * per, j1 = min(n, j0 + per);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
-  float qv[G][E], m[G], l[G], acc[G][E];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, quarter = lane % LK, mykey = lane / LK;
+  if constexpr (PF) {   // attn_out's matrix into L2 while this kernel reads the cache: attn_out then reads L2
+    const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, nth = (int64_t)gridDim.x * blockDim.x;
+    ::ref_layer::prefetch_l2(w0, (int64_t)w0_shape[0] * w0_shape[1] * sizeof(*w0), tid, nth);
+    if constexpr (B0 != 16) {
+      ::ref_layer::prefetch_l2(s0, (int64_t)s0_shape[0] * s0_shape[1] * sizeof(T), tid, nth);
+      ::ref_layer::prefetch_l2(b0, (int64_t)b0_shape[0] * b0_shape[1] * sizeof(T), tid, nth);
+    }
+  }
+  float* qs = xs + ((NW * G * (D + 2) + 3) & ~3);   // after the warps' partial results, 16-byte aligned
+  for (int t = threadIdx.x; t < G * D; t += blockDim.x) {
+    const int g = t / D, d = t % D;
+    qs[(g * LK + d / SD) * QROW + d % SD] = ::ref_layer::to_float(q[(int64_t)hk * G * D + t]) * scale[0];
+  }
+  __syncthreads();
+  const bool al = ((uintptr_t)kc & 15) == 0;
+  float m[G], l[G], acc[G][E];
   #pragma unroll
   for (int g = 0; g < G; ++g) {
-    ::ref_layer::load_head<T, E>(q + (int64_t)(hk * G + g) * D + lane * E, qv[g]);
     m[g] = ::ref_layer::neg_inf();
     l[g] = 0.0f;
     #pragma unroll
-    for (int e = 0; e < E; ++e) { qv[g][e] *= scale[0]; acc[g][e] = 0.0f; }
+    for (int e = 0; e < E; ++e) acc[g][e] = 0.0f;
   }
-  // KB consecutive keys per warp at a time: their loads in flight together, their sums interleaved
-  for (int j = j0 + warp * KB; j < j1; j += NW * KB) {
-    float kv[KB][E], vv[KB][E];
+  for (int j = j0 + warp * KS; j < j1; j += NW * KS) {
+    const bool valid = j + mykey < j1;
+    const T* kr = kc + ((int64_t)hk * cap + min(j + mykey, j1 - 1)) * D + quarter * SD;   // past the end: re-read
+    uint4 kw[SD / 8];
     #pragma unroll
-    for (int b = 0; b < KB; ++b) {
-      const int64_t at = (int64_t)hk * cap + min(j + b, j1 - 1);     // past the end: re-read, masked below
-      ::ref_layer::load_head<T, E>(kc + at * D + lane * E, kv[b]);
-      ::ref_layer::load_head<T, E>(vc + at * D + lane * E, vv[b]);
+    for (int c = 0; c < SD / 8; ++c)
+      kw[c] = al ? ::ref_gemv::load_x16<true>(kr + 8 * c) : ::ref_gemv::load_x16<false>(kr + 8 * c);
+    float vv[KS][E];                                 // the 8 keys' values, this lane's dims
+    #pragma unroll
+    for (int b = 0; b < KS; ++b)
+      ::ref_layer::load_head<T, E>(vc + ((int64_t)hk * cap + min(j + b, j1 - 1)) * D + lane * E, vv[b]);
+    float sc[G];
+    #pragma unroll
+    for (int g = 0; g < G; ++g) sc[g] = 0.0f;
+    #pragma unroll
+    for (int c = 0; c < SD / 8; ++c) {
+      float kf[8];
+      ::ref_gemv::unpack<T>(kw[c], kf);
+      #pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const float4* qp = reinterpret_cast<const float4*>(qs + (g * LK + quarter) * QROW + 8 * c);
+        const float4 a = qp[0], b = qp[1];
+        sc[g] = fmaf(kf[0], a.x, fmaf(kf[1], a.y, fmaf(kf[2], a.z, fmaf(kf[3], a.w, sc[g]))));
+        sc[g] = fmaf(kf[4], b.x, fmaf(kf[5], b.y, fmaf(kf[6], b.z, fmaf(kf[7], b.w, sc[g]))));
+      }
     }
     #pragma unroll
     for (int g = 0; g < G; ++g) {
-      float sc[KB];
-      #pragma unroll
-      for (int b = 0; b < KB; ++b) {
-        float t = 0.0f;
-        #pragma unroll
-        for (int e = 0; e < E; ++e) t = fmaf(qv[g][e], kv[b][e], t);
-        sc[b] = t;
-      }
-      #pragma unroll
-      for (int b = 0; b < KB; ++b) sc[b] = j + b < j1 ? ::ref_layer::warp_sum(sc[b]) : ::ref_layer::neg_inf();
-      float mn = m[g];
-      #pragma unroll
-      for (int b = 0; b < KB; ++b) mn = fmaxf(mn, sc[b]);
-      const float corr = expf(m[g] - mn);
-      l[g] *= corr;
+      float s = sc[g] + __shfl_xor_sync(0xFFFFFFFFu, sc[g], 1);
+      s += __shfl_xor_sync(0xFFFFFFFFu, s, 2);
+      s = valid ? s : ::ref_layer::neg_inf();
+      float mx = fmaxf(s, __shfl_xor_sync(0xFFFFFFFFu, s, 4));
+      mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 8));
+      mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 16));
+      const float mn = fmaxf(m[g], mx), corr = expf(m[g] - mn);   // the first key is valid: mn is finite
+      const float p = valid ? expf(s - mn) : 0.0f;
+      l[g] = fmaf(l[g], corr, p);                    // this lane's key's share; summed over keys at the end
       #pragma unroll
       for (int e = 0; e < E; ++e) acc[g][e] *= corr;
       #pragma unroll
-      for (int b = 0; b < KB; ++b) {
-        const float pj = expf(sc[b] - mn);
-        l[g] += pj;
+      for (int b = 0; b < KS; ++b) {
+        const float pb = __shfl_sync(0xFFFFFFFFu, p, b * LK);
         #pragma unroll
-        for (int e = 0; e < E; ++e) acc[g][e] = fmaf(pj, vv[b][e], acc[g][e]);
+        for (int e = 0; e < E; ++e) acc[g][e] = fmaf(pb, vv[b][e], acc[g][e]);
       }
       m[g] = mn;
     }
+  }
+  #pragma unroll
+  for (int g = 0; g < G; ++g) {                      // the sums over the warp's keys (a key's 4 lanes agree)
+    l[g] += __shfl_xor_sync(0xFFFFFFFFu, l[g], 4);
+    l[g] += __shfl_xor_sync(0xFFFFFFFFu, l[g], 8);
+    l[g] += __shfl_xor_sync(0xFFFFFFFFu, l[g], 16);
   }
   float* mine = xs + warp * G * (D + 2);
   #pragma unroll
@@ -414,9 +602,10 @@ ATTN_OUT = r"""
     ::ref_layer::row_ptrs<T, B0, G0>(w0, s0, b0, k, min(row0 + r, n - 1), wr[r], sr[r], br[r]);
   if (row0 < n) ::ref_layer::prefetch<R, U>(wr, k * B0 / 32);
   ::ref_layer::stage_attention<T, D>(part, splits, hq, xs, xs + ::ref_layer::pad(k) + 4);
+  if constexpr (Q8) ::ref_layer::quantize_row(xs, k);   // where the split weights were
   if (row0 >= n) return;
-  if ((((uintptr_t)w0) & 15) == 0) ::ref_layer::dot<true, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
-  else ::ref_layer::dot<false, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
+  if ((((uintptr_t)w0) & 15) == 0) ::ref_layer::dot_row<Q8, true, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
+  else ::ref_layer::dot_row<Q8, false, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
   if (lane < R && row0 + lane < n) {
     float v = acc[0];
     #pragma unroll
@@ -442,10 +631,11 @@ MLP_IN = r"""
   }
   if (row0 < n) ::ref_layer::prefetch<2 * R, U>(wr, k * B0 / 32);
   ::ref_layer::stage_norm<T>(x, nw, eps[0], k, xs);
+  if constexpr (Q8) ::ref_layer::quantize_row(xs, k);
   if (row0 >= n) return;
   if (((((uintptr_t)w0) | ((uintptr_t)w1)) & 15) == 0)
-    ::ref_layer::dot<true, T, B0, G0, 2 * R, U>(xs, k, wr, sr, br, acc);
-  else ::ref_layer::dot<false, T, B0, G0, 2 * R, U>(xs, k, wr, sr, br, acc);
+    ::ref_layer::dot_row<Q8, true, T, B0, G0, 2 * R, U>(xs, k, wr, sr, br, acc);
+  else ::ref_layer::dot_row<Q8, false, T, B0, G0, 2 * R, U>(xs, k, wr, sr, br, acc);
   if (lane < R && row0 + lane < n) {
     float g = acc[0], u = acc[R];
     #pragma unroll
@@ -469,9 +659,10 @@ MLP_OUT = r"""
     ::ref_layer::row_ptrs<T, B0, G0>(w0, s0, b0, k, min(row0 + r, n - 1), wr[r], sr[r], br[r]);
   if (row0 < n) ::ref_layer::prefetch<R, U>(wr, k * B0 / 32);
   ::ref_layer::stage_row<T>(a, k, xs);
+  if constexpr (Q8) ::ref_layer::quantize_row(xs, k);
   if (row0 >= n) return;
-  if ((((uintptr_t)w0) & 15) == 0) ::ref_layer::dot<true, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
-  else ::ref_layer::dot<false, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
+  if ((((uintptr_t)w0) & 15) == 0) ::ref_layer::dot_row<Q8, true, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
+  else ::ref_layer::dot_row<Q8, false, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
   if (lane < R && row0 + lane < n) {
     float v = acc[0];
     #pragma unroll
@@ -485,7 +676,7 @@ MLP_OUT = r"""
 SOURCES = {
     "attn_in": (["x", "nw", "eps", "w0", "s0", "b0", "w1", "s1", "b1", "w2", "s2", "b2", "freqs", "pos", "kc", "vc"],
                 ["q"], ATTN_IN),
-    "attend": (["q", "kc", "vc", "pos", "scale"], ["part"], ATTEND),
+    "attend": (["q", "kc", "vc", "pos", "scale", "w0", "s0", "b0"], ["part"], ATTEND),
     "attn_out": (["part", "w0", "s0", "b0", "x"], ["y"], ATTN_OUT),
     "mlp_in": (["x", "nw", "eps", "w0", "s0", "b0", "w1", "s1", "b1"], ["y"], MLP_IN),
     "mlp_out": (["a", "w0", "s0", "b0", "h"], ["y"], MLP_OUT),

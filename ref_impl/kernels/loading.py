@@ -32,6 +32,7 @@ from ref_impl.kernels.patching import patch, summary
 
 WEIGHTS = ("auto", "native", "float")
 KERNELS = ("auto", "on", "off")
+ACTIVATIONS = ("float", "int8")
 
 
 @dataclass(frozen=True)
@@ -42,15 +43,21 @@ class LoadOptions:
     dtype: str | None = None       # a key of DTYPES; None: float32 on the CPU, float16 on a GPU
     rows: tuple[int, ...] = (1,)   # activation rows the kernels are timed for (gamma + 1 when verifying)
     compiled: bool = False         # the decode step is mx.compile'd: no fused layers
+    activations: str = "float"     # int8: the fused layers' quantized matrices meet int8 copies of their inputs
 
     def __post_init__(self):
         bad = [f"{name} {value!r} (one of {', '.join(map(str, choices))})" for name, value, choices in
                [("weights", self.weights, WEIGHTS), ("kernels", self.kernels, KERNELS),
-                ("dtype", self.dtype, (*DTYPES, None))] if value not in choices]
+                ("dtype", self.dtype, (*DTYPES, None)), ("activations", self.activations, ACTIVATIONS)]
+               if value not in choices]
         if bad:
             raise ValueError("invalid load settings: " + ", ".join(bad))
         if self.kernels == "on" and not on_cuda():
             raise ValueError(f"--kernels on: our GEMV kernels need MLX's CUDA backend; this is {mx.default_device()}")
+        if self.activations == "int8" and (not self.patched or self.compiled):
+            why = ("--kernels off" if self.kernels == "off" else "--compile" if self.compiled and on_cuda()
+                   else f"this is {mx.default_device()}, not MLX's CUDA backend")
+            raise ValueError(f"--activations int8 is a setting of the fused CUDA layers, which do not run here: {why}")
 
     @property
     def quantized(self) -> bool:
@@ -88,7 +95,8 @@ def load(f: gguf.GGUFFile, options: LoadOptions = LoadOptions(), tokenizer: bool
                     matrix_types(f), options)
     if options.patched:
         rows = tuple(r for r in options.rows if r <= MAX_ROWS) or (1,)
-        loaded.report += [summary(patch(model, rows=rows, fuse=True)), fused_layers(model, options.compiled)]
+        loaded.report += [summary(patch(model, rows=rows, fuse=True)),
+                          fused_layers(model, options.compiled, options.activations == "int8")]
     return loaded
 
 
@@ -98,15 +106,17 @@ def load_file(path: str | Path, options: LoadOptions = LoadOptions()) -> Loaded:
         return load(f, options)
 
 
-def fused_layers(model: Model, compiled: bool) -> str:
-    """Run decode through the fused decoder layers where a measurement at load finds them faster; the line
-    that says what was chosen and why."""
+def fused_layers(model: Model, compiled: bool, int8: bool = False) -> str:
+    """Run decode through the fused decoder layers (int8: their quantized matrices with int8 activations) where
+    a measurement at load finds them faster; the line that says what was chosen and why."""
     if compiled:
         return "fused layers: off (--compile replays one traced graph of MLX's own operations)"
-    left = fusedlayer.fuse(model)
+    left = fusedlayer.fuse(model, int8=int8)
     if len(left) == len(model.layers):
         return f"fused layers: none ({next(iter(left.values()))})"
     on, ms = fusedlayer.choose(model)
+    n_int8 = sum(isinstance(b, fusedlayer.FusedLayer) and b.plan.int8 for b in model.layers)
+    acts = f", {n_int8} with int8 activations" if int8 else ""
     return (f"fused layers: {'on' if on else 'off'} for {len(model.layers) - len(left)} of {len(model.layers)} "
-            f"layers (decode {ms['fused']:.2f} ms/token fused, {ms['unfused']:.2f} unfused)"
+            f"layers{acts} (decode {ms['fused']:.2f} ms/token fused, {ms['unfused']:.2f} unfused)"
             + "".join(f"; layer {i}: {why}" for i, why in list(left.items())[:3]))

@@ -37,12 +37,13 @@ from ref_impl.platform.timing import clock
 
 NAME_CHARS = 60   # a kernel other than ours is named by this many characters of its demangled name
 
-# the launch settings profiled per weights: today's defaults, then the values they replaced, one kernel at a
-# time, and two more loads in flight
+# the launch settings profiled per weights: today's defaults, int8 activations (alone, and with more loads in
+# flight for mlp_in), attend without its prefetch of attn_out's matrix, attend over twice the splits, and
+# attn_out's warps before they were 16
 SETTINGS: dict[str, tuple[Setting, ...]] = {
-    "q4q8": (Setting(), Setting(warps={"attn_out": 8}), Setting(warps={"mlp_in": 12}), Setting(unroll={"attn_in": 4}),
-             Setting(warps={"attn_in": 4, "attn_out": 4}), Setting(unroll={"attn_in": 8, "attn_out": 8})),
-    "F16": (Setting(),),
+    "q4q8": (Setting(), Setting(int8=True), Setting(prefetch=False), Setting(keys_per_split=32),
+             Setting(int8=True, unroll={"mlp_in": 4}), Setting(warps={"attn_out": 8})),
+    "F16": (Setting(), Setting(prefetch=False), Setting(keys_per_split=32)),
 }
 
 
@@ -152,7 +153,7 @@ def weights_records(weights: str, shape: str, settings: Sequence[Setting], token
     out = profile_records(events, tokens, wall, {**fields, "variant": "unfused"})
     for setting in settings:
         with applied(setting):
-            relaunch(model)
+            relaunch(model, setting.int8)
             extra = {"variant": "fused", "setting": setting.label, "launch": launch_fields(weights != "F16"),
                      "changed": setting.changed}
             error = step_error(model, reference)

@@ -37,8 +37,10 @@ from ref_impl.theory.roofline import matmul_shapes
 
 # MLX's built-ins, our GEMVs where faster, with the fused gate/up and q/k/v kernels; "+compiled": each decode
 # step one mx.compile'd graph (generate.compiled_decoder); "layers": every decoder layer five fused kernels
-# (kernels/fusedlayer.py), the LM head as "kernels" runs it
-DECODE_VARIANTS = ("native", "native+compiled", "kernels", "kernels+fused", "kernels+fused+compiled", "layers")
+# (kernels/fusedlayer.py), the LM head as "kernels" runs it; "+int8": the fused layers' quantized matrices meet
+# int8 activations (quantized weights only)
+DECODE_VARIANTS = ("native", "native+compiled", "kernels", "kernels+fused", "kernels+fused+compiled", "layers",
+                   "layers+int8")
 
 
 # ---- the probes of one decode step ------------------------------------------------------------------------
@@ -247,14 +249,14 @@ def layer_kernel_ms(model: Model, context: int, passes: int = 4) -> dict[str, tu
     return {k: (per_call[k] * len(layers) * 1e3, nbytes[k]) for k in calls}
 
 
-def layer_records(run: KernelRun, model: Model, fields: dict) -> list[dict]:
+def layer_records(run: KernelRun, model: Model, variant: str, fields: dict) -> list[dict]:
     """decode-breakdown records of the fused layers' kernels: ms per token each (queued), with GB/s."""
     records = []
     for name, (ms, nbytes) in layer_kernel_ms(model, len(run.prompt) + run.gen_tokens // 2).items():
-        records.append(record("decode-breakdown", "ms_per_token", "ms", ms, variant="layers", **fields,
+        records.append(record("decode-breakdown", "ms_per_token", "ms", ms, variant=variant, **fields,
                               part=f"layer {name}", bytes_per_token=nbytes, gb_per_s=nbytes / ms / 1e6,
                               note="the kernel of every layer queued, graph built first: GPU time"))
-        run.say(f"{fields['weights']} layers: {name} {ms:.3f} ms/token, {nbytes / ms / 1e6:.0f} GB/s")
+        run.say(f"{fields['weights']} {variant}: {name} {ms:.3f} ms/token, {nbytes / ms / 1e6:.0f} GB/s")
     return records
 
 
@@ -363,18 +365,21 @@ def weight_type_records(run: KernelRun, args: ModelArgs, wt: str, work_dir: Path
             records += choice_records(choices, fields, run.say)
         if variant.startswith("kernels"):
             kernels.enable(model, gemv=True, fused="fused" in variant)
-        if variant == "layers":
-            left = fusedlayer.fuse(model)
+        if variant.startswith("layers"):
+            left = fusedlayer.fuse(model, int8=variant.endswith("int8"))
             said = f"{len(model.layers) - len(left)} of {len(model.layers)} fused" + "".join(
                 f"; layer {i}: {why}" for i, why in left.items())
-            run.say(f"{wt} layers: {said}")
-            if len(left) == len(model.layers):
+            if variant.endswith("int8") and not any(isinstance(b, fusedlayer.FusedLayer) and b.plan.int8
+                                                    for b in model.layers):
+                said = "no quantized matrices: the int8 kernels have nothing to read"
+            run.say(f"{wt} {variant}: {said}")
+            if len(left) == len(model.layers) or said.startswith("no quantized"):
                 records.append(record("decode-kernels", "skipped", None, None, variant=variant, **fields, note=said))
                 continue
         rec, ids[variant] = variant_records(run, model, variant, step_bytes, fields)
         records += rec
-        if variant == "layers":
-            records += layer_records(run, model, fields)
+        if variant.startswith("layers"):
+            records += layer_records(run, model, variant, fields)
     if not run.quick:   # the quick patch times nothing to queue
         records += queued_records(choices, fields, run.say)
     records.append(record("decode-kernels", "bytes_per_token", "B", step_bytes, variant="kernels", **fields))

@@ -42,12 +42,14 @@ class Setting:
     unroll: dict[str, int] = field(default_factory=dict)    # kernel -> 16-byte loads per row in flight
     rows_per_warp: int | None = None
     keys_per_split: int | None = None
+    prefetch: bool | None = None     # attend prefetches attn_out's matrix into L2 (fusedlayer.PREFETCH)
+    int8: bool = False               # quantized matrices meet int8 activations (FusedLayer.int8)
 
     @property
     def changed(self) -> dict:
         """What the setting changes, as the records keep it ({} for the defaults)."""
         out = {"warps": dict(self.warps), "unroll": dict(self.unroll), "rows_per_warp": self.rows_per_warp,
-               "keys_per_split": self.keys_per_split}
+               "keys_per_split": self.keys_per_split, "prefetch": self.prefetch, "int8": self.int8 or None}
         return {k: v for k, v in out.items() if v not in ({}, None)}
 
     @property
@@ -69,23 +71,26 @@ SWEEP = (Setting(), Setting(rows_per_warp=1), Setting(rows_per_warp=4),
 def applied(setting: Setting) -> Iterator[None]:
     """The fused layer's launch tables with `setting`'s entries in place, restored on leaving (layers built
     or relaunched inside keep the setting: `relaunch`)."""
-    saved = (fusedlayer.WARPS, fusedlayer.UNROLL, fusedlayer.ROWS_PER_WARP, fusedlayer.KEYS_PER_SPLIT)
+    saved = (fusedlayer.WARPS, fusedlayer.UNROLL, fusedlayer.ROWS_PER_WARP, fusedlayer.KEYS_PER_SPLIT,
+             fusedlayer.PREFETCH)
     fusedlayer.WARPS = {**saved[0], **setting.warps}
     fusedlayer.UNROLL = {**saved[1], **{k: (u, u) for k, u in setting.unroll.items()}}
     fusedlayer.ROWS_PER_WARP = setting.rows_per_warp or saved[2]
     fusedlayer.KEYS_PER_SPLIT = setting.keys_per_split or saved[3]
+    fusedlayer.PREFETCH = saved[4] if setting.prefetch is None else setting.prefetch
     try:
         yield
     finally:
-        fusedlayer.WARPS, fusedlayer.UNROLL, fusedlayer.ROWS_PER_WARP, fusedlayer.KEYS_PER_SPLIT = saved
+        (fusedlayer.WARPS, fusedlayer.UNROLL, fusedlayer.ROWS_PER_WARP, fusedlayer.KEYS_PER_SPLIT,
+         fusedlayer.PREFETCH) = saved
 
 
-def relaunch(model: Model) -> int:
-    """Recompute every fused layer's launches from the tables as they stand and switch it on; returns how
-    many there are."""
+def relaunch(model: Model, int8: bool = False) -> int:
+    """Recompute every fused layer's launches from the tables as they stand, with int8 or float activations,
+    and switch it on; returns how many there are."""
     fused = [b for b in model.layers if isinstance(b, fusedlayer.FusedLayer)]
     for b in fused:
-        b.plan = fusedlayer.launches(b)
+        b.int8, b.plan = int8, fusedlayer.launches(b, int8)
         b.switch(True)
     return len(fused)
 
@@ -93,7 +98,8 @@ def relaunch(model: Model) -> int:
 def launch_fields(quantized: bool) -> dict:
     """The launch tables as they stand, for a dense or quantized model: what a record says ran."""
     return {"warps": dict(fusedlayer.WARPS), "unroll": {k: v[int(quantized)] for k, v in fusedlayer.UNROLL.items()},
-            "rows_per_warp": fusedlayer.ROWS_PER_WARP, "keys_per_split": fusedlayer.KEYS_PER_SPLIT}
+            "rows_per_warp": fusedlayer.ROWS_PER_WARP, "keys_per_split": fusedlayer.KEYS_PER_SPLIT,
+            "prefetch": fusedlayer.PREFETCH}
 
 
 def mix_model(weights: str, shape: str = "Llama-3.1-8B", layers: int | None = None, seed: int = 0) -> Model:
@@ -133,7 +139,7 @@ def setting_records(model: Model, setting: Setting, fields: dict, context: int, 
     `context` keys, and pipelined decode's tokens/s (`tokens` after a `context - tokens` prompt)."""
     quantized = fields["weights"] != "F16"
     with applied(setting):
-        relaunch(model)
+        relaunch(model, setting.int8)
         per = layer_kernel_ms(model, context)
         tps = 1 / fusedlayer.decode_seconds(model, tokens, context - tokens)
         extra = {"variant": setting.label, "launch": launch_fields(quantized), "changed": setting.changed}
