@@ -16,7 +16,8 @@ of 8 codes differs (DECODES):
 the dequantized matrix (the largest error over the largest |y|), then times each on 8B layers stacked to some
 220 MB a launch (queued, graph built first: `kernels.time_calls`) for each launch of LAUNCHES, against MLX's
 `mx.quantized_matmul`; it records this machine's roofs (`decode.roofs`) and what a custom kernel's launch
-costs the host (`launch_cost`: building the call in Python, then MLX encoding it).
+costs the host (`launch_cost`: building the call in Python, then MLX encoding it; by its inputs, and with the
+fused layer's header or none).
 
 References: the magic-number conversion of 4-bit codes (Kim et al., "Who Says Elephants Can't Run", 2022);
 llama.cpp ggml-cuda vecdotq.cuh (8-bit activations and dp4a); MLX mlx/backend/cuda/custom_kernel.cpp.
@@ -33,6 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from ref_impl import kernels
+from ref_impl.kernels import fusedlayer_cuda
 from ref_impl.kernels.cuda import HEADER as GEMV_HEADER
 from ref_impl.kernels.cuda import minified
 from ref_impl.measure.decode import roofs
@@ -43,7 +45,9 @@ DECODES = ("float-trick", "two-magic", "half2", "int8-dp4a", "ceiling")   # DEC 
 LAUNCHES = ((2, 4, 8), (2, 8, 8), (4, 2, 8), (1, 8, 8))        # (rows a warp R, loads in flight U, warps a block)
 ACCURACY_SHAPES = ((512, 4096), (256, 14336))                  # (n, k): one layer's rows of the 8B matrices
 TIMED_SHAPES = ((14336, 4096, 6), (4096, 14336, 6))            # (n, k, layers stacked): ~220 MB a launch
-LAUNCH_INPUTS = (1, 4, 16)                                     # inputs of the kernels whose launch is timed
+# the kernels whose launch is timed: (inputs, with the fused layer's header): MLX rebuilds a custom kernel's
+# source (header, signature, body) at every call, so the header's length may cost host time as the inputs do
+LAUNCH_CASES = ((1, False), (4, False), (16, False), (1, True), (16, True))
 
 HEADER = r"""
 namespace gemv_decode {
@@ -322,12 +326,14 @@ def bandwidth_records(rng: np.random.Generator, fields: dict, launches: Sequence
     return out
 
 
-def launch_cost(inputs: int, launches: int = 200, reps: int = 5) -> tuple[float, float]:
-    """(build, eval) host µs a launch of a one-warp `mx.fast.cuda_kernel` with `inputs` inputs: Python
-    building `launches` independent calls, then mx.eval encoding and running them (medians of `reps`)."""
+def launch_cost(inputs: int, header: str = "", launches: int = 200, reps: int = 5) -> tuple[float, float]:
+    """(build, eval) host µs a launch of a one-warp `mx.fast.cuda_kernel` with `inputs` inputs and `header`
+    (its body uses none of it): Python building `launches` independent calls, then mx.eval encoding and
+    running them (medians of `reps`)."""
     names = [f"a{i}" for i in range(inputs)]
     body = "  if (threadIdx.x == 0) y[0] = " + " + ".join(f"{a}[0]" for a in names) + ";\n"
-    kern = mx.fast.cuda_kernel(name=f"gemv_decode_launch_{inputs}", input_names=names, output_names=["y"], source=body)
+    kern = mx.fast.cuda_kernel(name=f"gemv_decode_launch_{inputs}_{len(header)}", input_names=names,
+                               output_names=["y"], source=body, header=header)
     arrays = [mx.full((4,), float(i), dtype=mx.float32) for i in range(inputs)]
     mx.eval(arrays)
 
@@ -357,12 +363,15 @@ def bench_gemv_decode(launches: Sequence[tuple[int, int, int]] = LAUNCHES, passe
         return [record("gemv-decode", "skipped", None, None, **fields,
                        note=f"skipped: needs MLX's CUDA backend; this is {mx.default_device()}")]
     out = []
-    for n_in in LAUNCH_INPUTS:
-        build, evaluate = launch_cost(n_in)
+    layer_header = minified(fusedlayer_cuda.HEADER)
+    for n_in, with_header in LAUNCH_CASES:
+        header = layer_header if with_header else ""
+        build, evaluate = launch_cost(n_in, header)
         out.append(record("gemv-decode", "launch_us", "us", build + evaluate, variant="launch", inputs=n_in,
-                          build_us=build, eval_us=evaluate,
+                          header_bytes=len(header), build_us=build, eval_us=evaluate,
                           note="host µs a launch of a one-warp custom kernel: Python's build, then mx.eval"))
-        say(f"launch cost, {n_in:2} inputs: build {build:.1f} us + eval {evaluate:.1f} us a launch")
+        say(f"launch cost, {n_in:2} inputs, {len(header):,}-byte header: build {build:.1f} us + eval "
+            f"{evaluate:.1f} us a launch")
     out += roofs(roof_bytes)
     rng = np.random.default_rng(seed)
     out += accuracy_records(rng, fields)
