@@ -1,4 +1,4 @@
-"""Chapter "Writing a GEMV kernel" (book/dispatch/writing-a-kernel), Kernel tasks 1 to 4:
+"""Chapter "Writing a GEMV kernel" (book/dispatch/writing-a-kernel), Kernel tasks 1 to 5:
 `pytest tests/test_exercises_kernels.py -k kernel_task`."""
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ K1_RIGHT = 36_737_024
 
 def test_kernel_tasks_are_in_the_stub_and_crash_test():
     checkers = {name for name in dir(ex) if name.startswith("check_")}   # as tests/test_exercises_core.py picks them
-    assert {"check_gemv_bytes", "check_gemv_time_us", "check_launch_choice"} <= checkers
+    assert {"check_gemv_bytes", "check_gemv_time_us", "check_launch_choice", "check_merge_splits",
+            "check_q8_dot"} <= checkers
 
 
 def test_kernel_task_1_accepts_the_hand_formula():
@@ -176,4 +177,61 @@ def test_kernel_task_4_accepts_the_merged_softmax():
 def test_kernel_task_4_names_the_mistake(wrong, hint):
     with np.errstate(all="ignore"):
         r = ex.check_merge_splits(wrong)
+    assert not r and hint in r.message, r.message
+
+
+def q8_dot_by_hand(codes, scales, biases, x, group):
+    """Written from the task's text: x rounded per block of 32 (d = max|x| / 127), the bias on the exact sums."""
+    y = 0.0
+    for b in range(len(x) // 32):
+        xs = x[32 * b: 32 * b + 32]
+        d = max(abs(v) for v in xs) / 127
+        for i, v in enumerate(xs):
+            j = 32 * b + i
+            q = round(v / d) if d > 0 else 0               # Python's round: half to even, as np.rint
+            y += scales[j // group] * codes[j] * q * d
+    return y + sum(biases[g] * sum(x[g * group:(g + 1) * group]) for g in range(len(x) // group))
+
+
+def test_kernel_task_5_accepts_the_rounding_by_hand():
+    r = ex.check_q8_dot(q8_dot_by_hand)
+    assert r and "4 cases" in r.message, r.message
+
+
+def no_rounding(codes, scales, biases, x, group):
+    w = np.repeat(scales, group) * codes + np.repeat(biases, group)
+    return float(w @ x)
+
+
+def bias_on_rounded(codes, scales, biases, x, group):
+    blocks = x.reshape(-1, 32)
+    d = np.abs(blocks).max(axis=1, keepdims=True) / 127
+    xq = (np.rint(np.divide(blocks, d, out=np.zeros_like(blocks), where=d > 0)) * d).ravel()
+    return float((np.repeat(scales, group) * codes + np.repeat(biases, group)) @ xq)
+
+
+def one_d(codes, scales, biases, x, group):
+    d = np.abs(x).max() / 127
+    xq = np.rint(x / d) * d
+    return float((np.repeat(scales, group) * codes) @ xq + np.repeat(biases, group) @ x)
+
+
+def zero_division(codes, scales, biases, x, group):
+    blocks = x.reshape(-1, 32)
+    d = np.abs(blocks).max(axis=1, keepdims=True) / 127
+    xq = (np.rint(blocks / d) * d).ravel()
+    return float((np.repeat(scales, group) * codes) @ xq + np.repeat(biases, group) @ x)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (no_rounding, "round x first"),
+    (bias_on_rounded, "exact sum of x"),
+    (one_d, "one d per block of 32"),
+    (zero_division, "NaN or inf"),
+    (lambda codes, scales, biases, x, group: np.zeros(2), "expected one number"),
+    (lambda codes, scales, biases, x, group: 1.0, "off by"),
+])
+def test_kernel_task_5_names_the_mistake(wrong, hint):
+    with np.errstate(all="ignore"):
+        r = ex.check_q8_dot(wrong)
     assert not r and hint in r.message, r.message

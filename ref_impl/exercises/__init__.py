@@ -37,7 +37,8 @@ from ref_impl.exercises.dispatch import (
 )
 from ref_impl.exercises.gguf import check_next_offset, check_zero_copy_view
 from ref_impl.exercises.interconnect import check_link_payload_gbs, check_streaming_tokens_per_s, check_tlp_efficiency
-from ref_impl.exercises.kernels import check_gemv_bytes, check_gemv_time_us, check_launch_choice, check_merge_splits
+from ref_impl.exercises.kernels import (check_gemv_bytes, check_gemv_time_us, check_launch_choice, check_merge_splits,
+                                        check_q8_dot)
 from ref_impl.exercises.kquants import check_bits_per_weight, check_decode_q4_k, check_unpack_scales
 from ref_impl.exercises.kv_cache import (
     check_kv_bytes_per_token,
@@ -75,7 +76,7 @@ __all__ = [
     # "Quantizing the KV cache", "Speculative decoding and multi-token prediction", "Writing a GEMV kernel"
     "check_kv_bytes_per_token", "check_quantize_keys_per_channel", "check_outlier_channels",
     "check_expected_tokens", "check_optimal_gamma", "check_accept_one",
-    "check_gemv_bytes", "check_gemv_time_us", "check_launch_choice", "check_merge_splits",
+    "check_gemv_bytes", "check_gemv_time_us", "check_launch_choice", "check_merge_splits", "check_q8_dot",
     # "Capstone: everything at once"
     "check_bandwidth_share", "check_composes",
     # "Build it yourself", steps 1-7

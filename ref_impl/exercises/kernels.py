@@ -1,9 +1,10 @@
-"""Exercises of chapter "Writing a GEMV kernel" (book/dispatch/writing-a-kernel): Kernel tasks 1 to 4.
+"""Exercises of chapter "Writing a GEMV kernel" (book/dispatch/writing-a-kernel): Kernel tasks 1 to 5.
 
 The bytes one GEMV launch must move, its least time at a given bandwidth, and a launch choice
 (rows per warp, unroll) that keeps the chapter's rules, checked against the kernels' launch rules
-(`kernels.launch_config`, pure Python: no GPU needed); and the merge of attention's key-length splits
-that the fused layer's attn_out does, checked against the softmax over all keys at once.
+(`kernels.launch_config`, pure Python: no GPU needed); the merge of attention's key-length splits
+that the fused layer's attn_out does, checked against the softmax over all keys at once; and one row's
+dot product with int8 activations, as the fused layers' `dot_q8` computes it (kernels/int8_cuda.py).
 Tests: `pytest tests/test_exercises_kernels.py -k kernel_task`.
 
 See chapter: dispatch-kernel
@@ -207,4 +208,68 @@ def check_merge_splits(fn) -> Result:
                     "out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s, with M the largest m.")
         err = np.abs(got - right).max() / np.abs(right).max()
         return Result(False, f"{task} ({label}): off by {err:.3g} of the largest value. Hint: {hint}")
+    return Result(True, f"{task}: right on all {len(cases)} cases, within 1e-9.")
+
+
+def _q8_case(seed: int, k: int, group: int, zero_block: bool, outlier: bool):
+    """One row of 4-bit codes with a scale and bias per group, an activation row x, the row's dot product as the
+    int8 kernels compute it, and the outputs of the usual wrong roundings."""
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 16, k)
+    scales, biases = rng.uniform(0.01, 0.05, k // group), rng.uniform(-0.4, -0.1, k // group)
+    x = rng.normal(0.0, 1.0, k)
+    if zero_block:
+        x[32:64] = 0.0
+    if outlier:
+        x[::32] *= 20.0
+    blocks = x.reshape(-1, 32)
+    amax = np.abs(blocks).max(axis=1, keepdims=True)
+    d = amax / 127
+    q = np.rint(np.divide(blocks, d, out=np.zeros_like(blocks), where=amax > 0))
+    xq = (q * d).ravel()
+    per_group = lambda a: a.reshape(-1, group).sum(axis=1)
+    right = scales @ per_group(codes * xq) + biases @ per_group(x)
+    whole_d = np.abs(x).max() / 127
+    mistakes = [
+        (scales @ per_group(codes * x) + biases @ per_group(x), "round x first: per block of 32 values, d = max|x| "
+                                                               "/ 127 and x ~ d round(x / d)."),
+        (scales @ per_group(codes * xq) + biases @ per_group(xq), "the bias multiplies the exact sum of x over the "
+                                                                 "group, not the rounded one (the kernel keeps it)."),
+        (scales @ per_group(codes * np.rint(x / whole_d) * whole_d) + biases @ per_group(x),
+         "one d per block of 32 values, not one for the whole row: an outlier would flatten every block."),
+    ]
+    label = f"k = {k}, groups of {group}" + (", a block of zeros" if zero_block else "") + \
+        (", an outlier in every block" if outlier else "")
+    return (codes, scales, biases, x, group), label, right, mistakes
+
+
+def check_q8_dot(fn) -> Result:
+    """Kernel task 5: `fn(codes, scales, biases, x, group) -> y`, one row's dot product with int8 activations as the
+    fused layers compute it: weights s_g c_i + b_g (4-bit codes c, a scale and bias per group of `group` values),
+    x rounded per block of 32 values (d = max|x| / 127, round(x / d)), the bias times the exact sum of x.
+
+    Called on four cases (groups of 32 and 64; a block of zeros; an outlier in every block), within 1e-9 relative.
+    """
+    task = "Kernel task 5"
+    cases = [_q8_case(0, 256, 32, False, False), _q8_case(1, 512, 64, False, False),
+             _q8_case(2, 256, 32, True, False), _q8_case(3, 512, 32, False, True)]
+    for args, label, right, mistakes in cases:
+        out, failed = run_answer(task, label, fn, *args)
+        if failed is not None:
+            return failed
+        got, bad = as_array(task, label, out, "one number")
+        if bad is not None:
+            return bad
+        if got.size != 1:
+            return Result(False, f"{task} ({label}): expected one number (the row's dot product), got {got.size}.")
+        value = float(got.ravel()[0])
+        if np.isclose(value, right, rtol=1e-9, atol=1e-12):
+            continue
+        if not np.isfinite(value):
+            return Result(False, f"{task} ({label}): the result is NaN or inf. Hint: a block of zeros has d = 0; "
+                                 "its rounded values are 0, not x / 0.")
+        hint = next((h for wrong, h in mistakes if np.isclose(value, wrong, rtol=1e-9, atol=1e-12)),
+                    "y = sum_g s_g sum_(i in g) c_i d round(x_i / d) + b_g sum_(i in g) x_i, d per block of 32.")
+        return Result(False, f"{task} ({label}): off by {abs(value - right) / abs(right):.3g} of the answer. "
+                             f"Hint: {hint}")
     return Result(True, f"{task}: right on all {len(cases)} cases, within 1e-9.")
