@@ -56,8 +56,12 @@ def run_answer(task: str, label: str, fn: Callable, *args):
         return None, Result(False, f"{task} ({label}): your function raised {type(exc).__name__}: {exc}")
 
 
-def as_array(task: str, label: str, out, what: str) -> tuple[np.ndarray | None, Result | None]:
-    """The learner's output as a float64 array, or a ✗ Result saying it is not one."""
+def array_answer(task: str, label: str, what: str, fn: Callable, *args) -> tuple[np.ndarray | None, Result | None]:
+    """Call the learner's function and take its output as a float64 array: (the array, None), or (None, a ✗
+    Result saying what went wrong: not written yet, raised, or not `what`)."""
+    out, failed = run_answer(task, label, fn, *args)
+    if failed is not None:
+        return None, failed
     try:
         return np.asarray(out, dtype=np.float64), None
     except (TypeError, ValueError):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ref_impl.exercises.core import Result, as_array, judge_cases, run_answer, unit_slips
+from ref_impl.exercises.core import Result, array_answer, judge_cases, run_answer, unit_slips
 from ref_impl.kernels import launch as kn
 
 
@@ -187,10 +187,7 @@ def check_merge_splits(fn) -> Result:
     cases = [_split_case(0, 64, 1, 8, 1.0, False), _split_case(1, 300, 5, 16, 2.0, False),
              _split_case(2, 100, 4, 8, 1.0, True), _split_case(3, 200, 3, 4, 300.0, False)]
     for args, label, right, mistakes in cases:
-        out, failed = run_answer(task, label, fn, *args)
-        if failed is not None:
-            return failed
-        got, bad = as_array(task, label, out, f"{right.size} numbers")
+        got, bad = array_answer(task, label, f"{right.size} numbers", fn, *args)
         if bad is not None:
             return bad
         if got.shape != right.shape:
@@ -254,10 +251,7 @@ def check_q8_dot(fn) -> Result:
     cases = [_q8_case(0, 256, 32, False, False), _q8_case(1, 512, 64, False, False),
              _q8_case(2, 256, 32, True, False), _q8_case(3, 512, 32, False, True)]
     for args, label, right, mistakes in cases:
-        out, failed = run_answer(task, label, fn, *args)
-        if failed is not None:
-            return failed
-        got, bad = as_array(task, label, out, "one number")
+        got, bad = array_answer(task, label, "one number", fn, *args)
         if bad is not None:
             return bad
         if got.size != 1:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ref_impl.exercises.core import Result, as_array, judge_cases, run_answer
+from ref_impl.exercises.core import Result, array_answer, judge_cases, run_answer
 from ref_impl.formats import kquants as kq
 from ref_impl.formats.ggml import BLOCK, GGMLType
 
@@ -244,10 +244,7 @@ def check_decode_q4_k(fn) -> Result:
         return Result(False, f"{task}: write a function f(block) -> 256 values; it is called on several blocks.")
     cases, got = _decode_cases(), []
     for b, label in cases:
-        out, failed = run_answer(task, label, fn, b.copy())
-        if failed is not None:
-            return failed
-        a, bad = as_array(task, label, out, "256 numbers")
+        a, bad = array_answer(task, label, "256 numbers", fn, b.copy())
         if bad is not None:
             return bad
         if a.size != 256:

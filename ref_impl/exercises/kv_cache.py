@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from ref_impl.engine.kvquant import dequantize_symmetric, outlier_indices, quantize_symmetric, scheme_bytes
-from ref_impl.exercises.core import DTYPE_NAMES, Result, as_array, judge_cases, run_answer
+from ref_impl.exercises.core import DTYPE_NAMES, Result, array_answer, judge_cases, run_answer
 from ref_impl.theory import roofline as rl
 from ref_impl.theory import shapes
 
@@ -96,10 +96,7 @@ def check_quantize_keys_per_channel(fn) -> Result:
     zero[:, 10] = 0.0
     blocks.append((zero, 4, "4-bit, channel 10 all zero"))
     for keys, bits, label in blocks:
-        out, failed = run_answer(task, label, fn, keys.copy(), bits)
-        if failed is not None:
-            return failed
-        got, bad = as_array(task, label, out, "an array of keys")
+        got, bad = array_answer(task, label, "an array of keys", fn, keys.copy(), bits)
         if bad is not None:
             return bad
         if got.shape != keys.shape:
