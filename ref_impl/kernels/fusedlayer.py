@@ -265,16 +265,16 @@ class FusedLayer(TransformerBlock):
         nn.Module.__init__(self)
         self.self_attn, self.mlp = block.self_attn, block.mlp
         self.input_layernorm, self.post_attention_layernorm = block.input_layernorm, block.post_attention_layernorm
-        self.int8 = False
         self.plan = launches(self)
         self.on = False
         self.stages: dict[str, Callable[..., mx.array]] = {}
 
     def switch(self, on: bool, int8: bool | None = None) -> None:
         """Run one-token steps fused (on) or as the plain layer, with int8 activations or float ones (None: as
-        before); on binds the layer's arrays now."""
-        if int8 is not None and int8 != self.int8:
-            self.int8, self.plan = int8, launches(self, int8)
+        before; otherwise the launches are recomputed from the tables as they stand); on binds the layer's arrays
+        now."""
+        if int8 is not None:
+            self.plan = launches(self, int8)
         self.on = on
         self.stages = self.bind() if on else {}
 

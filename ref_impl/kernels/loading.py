@@ -55,7 +55,7 @@ class LoadOptions:
         if self.kernels == "on" and not on_cuda():
             raise ValueError(f"--kernels on: our GEMV kernels need MLX's CUDA backend; this is {mx.default_device()}")
         if self.activations == "int8" and (not self.patched or self.compiled):
-            why = ("--kernels off" if self.kernels == "off" else "--compile" if self.compiled and on_cuda()
+            why = ("--kernels off" if self.kernels == "off" else "--compile" if on_cuda()
                    else f"this is {mx.default_device()}, not MLX's CUDA backend")
             raise ValueError(f"--activations int8 is a setting of the fused CUDA layers, which do not run here: {why}")
 

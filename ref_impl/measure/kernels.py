@@ -366,14 +366,16 @@ def weight_type_records(run: KernelRun, args: ModelArgs, wt: str, work_dir: Path
         if variant.startswith("kernels"):
             kernels.enable(model, gemv=True, fused="fused" in variant)
         if variant.startswith("layers"):
-            left = fusedlayer.fuse(model, int8=variant.endswith("int8"))
+            int8 = variant.endswith("int8")
+            left = fusedlayer.fuse(model, int8=int8)
             said = f"{len(model.layers) - len(left)} of {len(model.layers)} fused" + "".join(
                 f"; layer {i}: {why}" for i, why in left.items())
-            if variant.endswith("int8") and not any(isinstance(b, fusedlayer.FusedLayer) and b.plan.int8
-                                                    for b in model.layers):
+            nothing_int8 = int8 and not any(isinstance(b, fusedlayer.FusedLayer) and b.plan.int8
+                                            for b in model.layers)
+            if nothing_int8:
                 said = "no quantized matrices: the int8 kernels have nothing to read"
             run.say(f"{wt} {variant}: {said}")
-            if len(left) == len(model.layers) or said.startswith("no quantized"):
+            if len(left) == len(model.layers) or nothing_int8:
                 records.append(record("decode-kernels", "skipped", None, None, variant=variant, **fields, note=said))
                 continue
         rec, ids[variant] = variant_records(run, model, variant, step_bytes, fields)

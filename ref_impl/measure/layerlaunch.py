@@ -43,7 +43,7 @@ class Setting:
     rows_per_warp: int | None = None
     keys_per_split: int | None = None
     prefetch: bool | None = None     # attend prefetches attn_out's matrix into L2 (fusedlayer.PREFETCH)
-    int8: bool = False               # quantized matrices meet int8 activations (FusedLayer.int8)
+    int8: bool = False               # quantized matrices meet int8 activations (FusedLayer.switch)
 
     @property
     def changed(self) -> dict:
@@ -90,8 +90,7 @@ def relaunch(model: Model, int8: bool = False) -> int:
     and switch it on; returns how many there are."""
     fused = [b for b in model.layers if isinstance(b, fusedlayer.FusedLayer)]
     for b in fused:
-        b.int8, b.plan = int8, fusedlayer.launches(b, int8)
-        b.switch(True)
+        b.switch(True, int8)
     return len(fused)
 
 
