@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 if __name__ == "__main__":   # as a script: the repository root on the path
@@ -41,7 +42,7 @@ from ref_impl.engine.model import ModelArgs, TransformerBlock
 from ref_impl.engine.random import args_for, random_model, write_random_model
 from ref_impl.formats import gguf
 from ref_impl.kernels import cuda, fusedlayer, fusedlayer_cuda, layers
-from ref_impl.measure import kernels as suite
+from ref_impl.measure import kernels as suite, layerlaunch
 from ref_impl.measure.kernels import bench_kernels
 from ref_impl.measure.records import dtype_name
 from ref_impl.platform.timing import clock
@@ -373,7 +374,8 @@ class StandIn:
 
 def stand_in_stages(layer: nn.Module) -> dict:
     """FusedLayer.bind on any backend: each fused kernel stood in for by the layer's own modules (MLX's ops),
-    the k/v write into the cache included; `attend` hands attn_out the attention output itself."""
+    the k/v write into the cache included; `attend` hands attn_out the attention output itself, and `attention`
+    runs the two."""
     attn, mlp = layer.self_attn, layer.mlp
 
     def heads(t: mx.array, n: int) -> mx.array:
@@ -395,8 +397,14 @@ def stand_in_stages(layer: nn.Module) -> dict:
         hn = layer.post_attention_layernorm(h)
         return nn.silu(mlp.gate_proj(hn)) * mlp.up_proj(hn)
 
-    return {"attn_in": attn_in, "attend": attend,
-            "attn_out": lambda o, x: x + attn.o_proj(o.transpose(0, 2, 1, 3).reshape(1, 1, -1)),
+    def attn_out(o: mx.array, x: mx.array) -> mx.array:
+        return x + attn.o_proj(o.transpose(0, 2, 1, 3).reshape(1, 1, -1))
+
+    def attention(q: mx.array, cache, at: mx.array, x: mx.array, sync=None) -> tuple[mx.array, mx.array]:
+        o = attend(q, cache, at)
+        return o, attn_out(o, x)
+
+    return {"attn_in": attn_in, "attend": attend, "attn_out": attn_out, "attention": attention,
             "mlp_in": mlp_in, "mlp_out": lambda a, h: h + mlp.down_proj(a)}
 
 
@@ -546,6 +554,11 @@ def test_fused_layer_timing_flow_with_stand_in_kernels():
         assert list(per) == list(fusedlayer.KERNELS) and all(ms > 0 for ms, _ in per.values())
         assert per["attend"][1] == 2 * 2 * 2 * 20 * 32 * 2                  # layers x k,v x heads x keys x D x 2 B
         assert per["mlp_in"][1] > per["attn_out"][1]
+        assert per["attention"][1] == per["attend"][1] + per["attn_out"][1]
+        with layerlaunch.applied(layerlaunch.Setting(merge=False)):
+            layerlaunch.relaunch(model)
+            assert "attention" not in suite.layer_kernel_ms(model, context=20, passes=1)
+        layerlaunch.relaunch(model)
         on, ms = fusedlayer.choose(model, rounds=1, tokens=2, context=8)
         assert set(ms) == {"fused", "unfused"} and on == (ms["fused"] < ms["unfused"])
         assert all(b.on == on for b in model.layers)
@@ -958,12 +971,29 @@ def test_fused_layer_launches_cover_every_row():
     assert dict(plan.templates["attend"])["G"] == 4
     assert dict(plan.templates["attn_in"])["B2"] == 8 and dict(plan.templates["mlp_out"])["B0"] == 8
     assert [fusedlayer.splits(n) for n in (1, 64, 65, 256, 10 ** 6)] == [1, 1, 2, 4, fusedlayer.MAX_SPLITS]
-    # int8 activations: the matrix kernels say so, and each holds the row's int8 copy after its floats (a float2
-    # per 16 values, then k bytes in two regions 64 bytes apart); a dense layer has no int8 kernels
+    # attention: attend's blocks (a key head and split each), then attn_out's, in attn_out's block size, with the
+    # larger of the two kernels' shared memory; merged while attend's accumulators fit 128 registers a thread
+    assert plan.merged and plan.order() == ("attn_in", "attention", "mlp_in", "mlp_out")
+    for keys in (1, 300):
+        blocks = 8 * fusedlayer.splits(keys) + plan.grids["attn_out"] // plan.threads["attn_out"]
+        assert fusedlayer.grid(plan, "attention", keys, 8) == blocks * plan.threads["attention"]
+        assert fusedlayer.grid(plan, "attend", keys, 8) == 8 * fusedlayer.splits(keys) * plan.threads["attend"]
+    assert plan.threads["attention"] == plan.threads["attn_out"]
+    assert plan.shared["attention"] == max(plan.shared["attend"], plan.shared["attn_out"])
+    assert dict(plan.templates["attention"])["NA"] == fusedlayer.WARPS["attend"]
+    wide = TransformerBlock(replace(args_for("Llama-3.1-8B"), num_key_value_heads=4))   # 8 query heads a key head
+    wide.set_dtype(mx.float16)
+    assert not fusedlayer.launches(wide).merged and len(fusedlayer.launches(wide).order()) == 5
+    with layerlaunch.applied(layerlaunch.Setting(merge=False)):
+        assert not fusedlayer.launches(block).merged
+    # int8 activations: the matrix kernels but mlp_out say so, and each holds the row's int8 copy after its floats
+    # (a float2 per 16 values, then k bytes in two regions 64 bytes apart); a dense layer has no int8 kernels
     q8 = fusedlayer.launches(block, int8=True)
     for name, k in widths.items():
-        assert q8.int8 and dict(q8.templates[name])["Q8"] and not plan.int8 and not dict(plan.templates[name])["Q8"]
-        assert q8.shared[name] >= 4 * (k + 4 * (k // 32) + 4) + 8 * (k // 16) + k + 64
+        assert q8.int8 and not plan.int8 and not dict(plan.templates[name])["Q8"]
+        assert dict(q8.templates[name])["Q8"] == (name != "mlp_out")
+        assert q8.shared[name] >= 4 * (k + 4 * (k // 32) + 4) + (8 * (k // 16) + k + 64 if name != "mlp_out" else 0)
+    assert dict(q8.templates["attention"])["Q8"] and q8.shared["mlp_out"] == plan.shared["mlp_out"]
     dense = TransformerBlock(args_for("Llama-3.1-8B"))
     dense.set_dtype(mx.float16)
     assert not any(dict(t).get("Q8") for t in fusedlayer.launches(dense, int8=True).templates.values())
@@ -1026,18 +1056,22 @@ def test_fused_layer_against_float64_oracle():
     Q4_K_M mix of 4- and 8-bit groups of 32, 4-bit groups of 64 at Llama-3.1-8B's layer shape; adjacent and
     half-head RoPE pairs; head sizes 64 and 128; at positions that give attend 1 to 4 key-length splits. The
     quantized layers run twice: float activations, and int8 ones against the oracle that rounds as they do (and
-    within a few percent of the float oracle: the rounding itself)."""
+    within a few percent of the float oracle: the rounding itself). attend and attn_out run as one launch
+    (attention), and as two for the first case of each kind."""
     cases = [(512, 8, 2, 1408, "f16", "llama", mx.float16, (0, 5, 300)),
              (512, 8, 8, 1024, "f16", "qwen2", mx.bfloat16, (1, 260)),
              (1024, 8, 2, 2816, "q4q8", "qwen2", mx.float16, (3, 700)),
              (1024, 16, 4, 2048, "q4q8", "llama", mx.float16, (17,)),
              (4096, 32, 8, 14336, "q4g64", "llama", mx.float16, (1000,))]
     rng = np.random.default_rng(0)
-    for (hidden, heads, kv, inter, quant, arch, dt, positions), int8 in [
-            (case, int8) for case in cases for int8 in ((False, True) if case[4] != "f16" else (False,))]:
+    runs = [(case, int8, True) for case in cases for int8 in ((False, True) if case[4] != "f16" else (False,))]
+    runs += [(cases[0], False, False), (cases[2], False, False)]
+    for (hidden, heads, kv, inter, quant, arch, dt, positions), int8, merge in runs:
         model = layer_model(hidden, heads, kv, inter, quant, arch, dt)
-        assert fusedlayer.fuse(model, int8=int8) == {}
+        with layerlaunch.applied(layerlaunch.Setting(merge=merge)):
+            assert fusedlayer.fuse(model, int8=int8) == {}
         layer = model.layers[0]
+        assert layer.plan.merged == merge
         D = layer.self_attn.head_dim
         for pos in positions:
             cache = model.make_cache(pos + 8)[0]
@@ -1061,11 +1095,40 @@ def test_fused_layer_against_float64_oracle():
                 print("    int8 rounding against float activations: " + ", ".join(
                     f"{s} {e:.1e}" for s, e in drift.items()), flush=True)
                 assert max(drift.values()) < 0.05, drift
-            print(f"  {quant}{' int8' if int8 else ''} {dtype_name(dt)} {arch} d={hidden} H={heads}/{kv} D={D} f={inter} pos {pos} "
-                  f"({part.shape[0]} splits): " + ", ".join(f"{s} {e:.1e}" for s, e in errs.items()), flush=True)
+            print(f"  {quant}{' int8' if int8 else ''}{'' if merge else ' unmerged'} {dtype_name(dt)} {arch} d={hidden} "
+                  f"H={heads}/{kv} D={D} f={inter} pos {pos} ({part.shape[0]} splits): "
+                  + ", ".join(f"{s} {e:.1e}" for s, e in errs.items()), flush=True)
             assert max(errs.values()) < 2 ** -7, errs
             untouched = np.delete(np.arange(pos + 8), pos)
             assert np.array_equal(as_f64(cache.keys)[0][:, untouched], keys[:, untouched]), "other positions changed"
+
+
+@cuda_only
+def test_merged_attention_hands_over_on_its_own_counters():
+    """attention (attend and attn_out in one launch) on the 8B layer's shape: launches queued at once on counters
+    of their own all give the two-launch result, the layer's counters are zero again after a step, and counters
+    that never see attend's blocks arrive give NaN (after ~a second) instead of a hung GPU, and are zero after."""
+    model = layer_model(4096, 32, 8, 14336, "q4q8")
+    assert fusedlayer.fuse(model) == {}
+    layer = model.layers[0]
+    cache = model.make_cache(300)[0]
+    cache.offset = 257
+    x = (mx.random.normal((1, 1, 4096), key=mx.random.key(1))).astype(mx.float16)
+    at = fusedlayer.position(cache.offset)
+    query = layer.stages["attn_in"](x, cache, at)
+    want = layer.stages["attn_out"](layer.stages["attend"](query, cache, at), x)
+    counters = [mx.zeros((3,), dtype=mx.int32) for _ in range(8)]
+    mx.eval(want, counters)
+    got = [layer.stages["attention"](query, cache, at, x, c)[1] for c in counters]
+    mx.eval(got)
+    assert all(mx.array_equal(g, want).item() for g in got)
+    assert all(c.tolist() == [0, 0, 0] for c in counters)
+    broken = mx.array([0, -10 ** 6, 0], dtype=mx.int32)
+    start = clock()
+    h = layer.stages["attention"](query, cache, at, x, broken)[1]
+    mx.eval(h)
+    print(f"  a handoff that never completes: NaN after {clock() - start:.1f} s", flush=True)
+    assert mx.isnan(h).all().item() and broken.tolist() == [0, 0, 0]
 
 
 @cuda_only

@@ -22,18 +22,19 @@ def test_a_setting_names_what_it_changes():
 
 def test_applied_sets_the_tables_and_restores_them_even_on_error():
     tables = lambda: (dict(fusedlayer.WARPS), dict(fusedlayer.UNROLL), fusedlayer.ROWS_PER_WARP,
-                      fusedlayer.KEYS_PER_SPLIT, fusedlayer.PREFETCH)
+                      fusedlayer.KEYS_PER_SPLIT, fusedlayer.PREFETCH, fusedlayer.MERGE)
     before = tables()
     with pytest.raises(RuntimeError):
         setting = Setting(warps={"mlp_in": 4}, unroll={"attn_in": 8}, rows_per_warp=1, keys_per_split=32,
-                          prefetch=not before[4])
+                          prefetch=not before[4], merge=not before[5])
         with layerlaunch.applied(setting):
             assert fusedlayer.WARPS["mlp_in"] == 4 and fusedlayer.WARPS["attn_out"] == before[0]["attn_out"]
             assert fusedlayer.UNROLL["attn_in"] == (8, 8) and fusedlayer.UNROLL["mlp_in"] == before[1]["mlp_in"]
             assert (fusedlayer.ROWS_PER_WARP, fusedlayer.KEYS_PER_SPLIT, fusedlayer.PREFETCH) == (1, 32, not before[4])
             fields = layerlaunch.launch_fields(quantized=True)
             assert fields["unroll"]["attn_in"] == 8 and fields["warps"]["mlp_in"] == 4 and fields["rows_per_warp"] == 1
-            assert fields["prefetch"] is not before[4]
+            assert fields["prefetch"] is not before[4] and fields["merge"] is not before[5]
+            assert fusedlayer.MERGE is not before[5]
             raise RuntimeError("a failed measurement")
     assert before == tables()
     dense, quantized = layerlaunch.launch_fields(False), layerlaunch.launch_fields(True)

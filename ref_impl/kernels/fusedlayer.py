@@ -12,7 +12,9 @@ whole layer's decode step as five `mx.fast.cuda_kernel` launches (source in fuse
     mlp_in    RMSNorm, silu(gate) * up
     mlp_out   the down projection, the residual
 
-so an 8B token is ~165 primitives. Each kernel reads the weights as the GEMV kernels do (launch.py: 16-byte
+and by default (MERGE) attend and attn_out run as one launch, `attention`: its first blocks to start attend, the
+others wait for them on counters the layer keeps (fusedlayer_cuda.py says how that cannot deadlock) and project.
+So an 8B token is ~135 primitives. Each kernel reads the weights as the GEMV kernels do (launch.py: 16-byte
 chunks, codes decoded with float tricks, a group's scale and bias applied once per chunk) from an input row
 staged in shared memory, and rounds to the activation type wherever MLX's graph stores an intermediate, so the
 layer computes what the unfused layer computes, up to float32 summation order.
@@ -52,6 +54,7 @@ from ref_impl.kernels.layers import GEMVLinear, format_of, on_cuda
 from ref_impl.platform.timing import clock, median
 
 KERNELS = tuple(SOURCES)
+MERGE = True            # attend and attn_out as one launch (attention): a launch fewer a layer, ~30 us of host time
 # warps per block: a block stages its input row once for all its warps, so more warps share that cost, but
 # blocks that do not all fit at once leave SMs idle in the last wave. Each kernel's GPU time per call on the
 # H200, 8B shapes, 4-bit ("kernel-profile" records, results/h200-20261202-042500.json): attn_out 19.6 us with 8 warps,
@@ -67,10 +70,13 @@ UNROLL = {"attn_in": (4, 2), "attn_out": (4, 4), "mlp_in": (2, 2), "mlp_out": (4
 KEYS_PER_SPLIT = 64     # attend: one block per key head and this many positions
 MAX_SPLITS = 32
 PREFETCH = True         # attend moves attn_out's matrix into L2 (attn_out is latency-bound; attend reads little)
+# the kernels that read int8 activations when asked: mlp_out re-quantizes its 14,336-wide row in every block,
+# which cost more than dp4a saved (30.4 us a layer against 26.2 with floats, H100, results/h100-20261206-115613.json)
+INT8_KERNELS = ("attn_in", "attn_out", "mlp_in")   # attention: as attn_out
 MAX_GROUP = 16          # query heads per key head attend keeps in registers
 # each kernel's matrices, by their names in engine.model (self_attn.* or mlp.*)
 READS = {"attn_in": ("q_proj", "k_proj", "v_proj"), "attend": (), "attn_out": ("o_proj",),
-         "mlp_in": ("gate_proj", "up_proj"), "mlp_out": ("down_proj",)}
+         "mlp_in": ("gate_proj", "up_proj"), "mlp_out": ("down_proj",), "attention": ()}
 MATRICES = tuple(m for ms in READS.values() for m in ms)
 
 
@@ -182,14 +188,21 @@ def why_not(block: nn.Module) -> str | None:
 
 @dataclass(frozen=True)
 class Launches:
-    """The five launches of one layer: per kernel its template, grid and block (threads, as MLX takes them)
-    and shared memory bytes; attend's grid is per call (it depends on the key count). int8: the matrix kernels
-    read int8 activations (asked for, and the layer's matrices quantized)."""
+    """The launches of one layer: per kernel its template, grid and block (threads, as MLX takes them)
+    and shared memory bytes; attend's and attention's grids are per call (they depend on the key count: `grid`).
+    int8: the INT8_KERNELS read int8 activations (asked for, and the layer's matrices quantized); merged: a step
+    runs attention where it would run attend, then attn_out."""
     templates: dict
     grids: dict
     threads: dict
     shared: dict
     int8: bool = False
+    merged: bool = False
+
+    def order(self) -> tuple[str, ...]:
+        """The kernels one step launches, in order."""
+        attention = ("attention",) if self.merged else ("attend", "attn_out")
+        return ("attn_in", *attention, "mlp_in", "mlp_out")
 
 
 def q8_bytes(k: int) -> int:
@@ -219,7 +232,7 @@ def launches(block: TransformerBlock, int8: bool = False) -> Launches:
         return [("T", t), ("NW", WARPS[name])]
 
     def rows(name: str) -> list:
-        return [("R", ROWS_PER_WARP), ("U", UNROLL[name][quantized]), ("Q8", q8)]
+        return [("R", ROWS_PER_WARP), ("U", UNROLL[name][quantized]), ("Q8", q8 and name in INT8_KERNELS)]
 
     templates = {
         "attn_in": head("attn_in") + fmt(0, fmts[0]) + fmt(1, fmts[1]) + fmt(2, fmts[2])
@@ -229,16 +242,32 @@ def launches(block: TransformerBlock, int8: bool = False) -> Launches:
         "mlp_in": head("mlp_in") + fmt(0, fmts[4]) + rows("mlp_in"),
         "mlp_out": head("mlp_out") + fmt(0, fmts[6]) + rows("mlp_out"),
     }
-    threads = {k: 32 * WARPS[k] for k in KERNELS}
+    templates["attention"] = head("attn_out") + [("NA", min(WARPS["attend"], WARPS["attn_out"]))] \
+        + fmt(0, fmts[3]) + rows("attn_out") + [("D", hd), ("G", hq // hkv), ("PF", PREFETCH)]
+    threads = {k: 32 * WARPS[k] for k in KERNELS if k != "attention"}
+    threads["attention"] = threads["attn_out"]
     counts = {"attn_in": blocks("attn_in", (hq + 2 * hkv) * hd, per_warp=2), "attn_out": blocks("attn_out", d),
               "mlp_in": blocks("mlp_in", f), "mlp_out": blocks("mlp_out", d)}
     grids = {k: threads[k] * b for k, b in counts.items()}
-    row = lambda k: 4 * padded(k) + (q8_bytes(k) if q8 else 0)    # the staged row, and its int8 copy
+    row = lambda k, name: 4 * padded(k) + (q8_bytes(k) if q8 and name in INT8_KERNELS else 0)   # + its int8 copy
     partials = WARPS["attend"] * (hq // hkv) * (hd + 2)             # attend: each warp's, then the queries
-    shared = {"attn_in": row(d), "attend": 4 * (-(-partials // 4) * 4 + (hq // hkv) * (hd + 16)),
+    shared = {"attn_in": row(d, "attn_in"), "attend": 4 * (-(-partials // 4) * 4 + (hq // hkv) * (hd + 16)),
               "attn_out": 4 * padded(hq * hd) + max(4 * hq * MAX_SPLITS, q8_bytes(hq * hd) if q8 else 0),
-              "mlp_in": row(d), "mlp_out": row(f)}
-    return Launches(templates, grids, threads, shared, q8)
+              "mlp_in": row(d, "mlp_in"), "mlp_out": row(f, "mlp_out")}
+    shared["attention"] = max(shared["attend"], shared["attn_out"])
+    # attention keeps attend's G x D / 32 accumulators a lane in a block of attn_out's size: past 512 values,
+    # ptxas (sm_90) gives it more than the 128 registers a thread that 16 warps may have, and it could not launch
+    fits = (hq // hkv) * hd <= 512 or WARPS["attn_out"] <= 8
+    return Launches(templates, grids, threads, shared, q8, MERGE and fits)
+
+
+def grid(plan: Launches, name: str, keys: int, kv_heads: int) -> int:
+    """Threads of one launch of a kernel over `keys` positions: attend's blocks are one per key head and split,
+    attention's are attend's and then attn_out's."""
+    if name not in ("attend", "attention"):
+        return plan.grids[name]
+    blocks = kv_heads * splits(keys) + (plan.grids["attn_out"] // plan.threads["attn_out"] if name == "attention" else 0)
+    return plan.threads[name] * blocks
 
 
 def rope_frequencies(attn: nn.Module) -> np.ndarray:
@@ -279,10 +308,11 @@ class FusedLayer(TransformerBlock):
         self.stages = self.bind() if on else {}
 
     def bind(self) -> dict[str, Callable[..., mx.array]]:
-        """The five kernels as functions with this layer's arrays and launches bound (no lookups per call):
+        """The kernels as functions with this layer's arrays and launches bound (no lookups per call):
         attn_in(x, cache, at) -> query (writes k and v into the cache at position `at`), attend(query, cache,
-        at) -> the key-length splits' partial attention, attn_out(part, x) -> h, mlp_in(h) -> the MLP's
-        hidden row, mlp_out(a, h) -> y."""
+        at) -> the key-length splits' partial attention, attn_out(part, x) -> h, attention(query, cache, at, x,
+        sync) -> (part, h) in one launch (sync: the handoff counters, the layer's unless given: two launches queued
+        at once must not share them), mlp_in(h) -> the MLP's hidden row, mlp_out(a, h) -> y."""
         attn, mlp, plan = self.self_attn, self.mlp, self.plan
         dt = self.input_layernorm.weight.dtype
         q, k, v, o, g, u, dn = (matrix(m)[1] for m in projections(self).values())
@@ -293,25 +323,36 @@ class FusedLayer(TransformerBlock):
         scale = mx.array([attn.scale], dtype=mx.float32)
         hq, hkv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
         d, f = n1.shape[0], mlp_width(mlp)
-        tpl, grid, thr, smem = plan.templates, plan.grids, plan.threads, plan.shared
-        kin, katt, kout, mlin, mlout = (kernel(n, smem[n]) for n in KERNELS)
+        tpl, thr, smem = plan.templates, plan.threads, plan.shared
+        kin, katt, kout, kall, mlin, mlout = (kernel(n, smem[n]) for n in KERNELS)
+        counters = mx.zeros((3,), dtype=mx.int32)   # attention's handoff: zero between launches
+        mx.eval(counters)
 
-        def run(kern, name: str, inputs: list, shape: tuple, dtype: mx.Dtype, grid_x: int) -> mx.array:
-            return kern(inputs=inputs, template=tpl[name], grid=(grid_x, 1, 1), threadgroup=(thr[name], 1, 1),
-                        output_shapes=[shape], output_dtypes=[dtype])[0]
+        def run(kern, name: str, inputs: list, shapes: list, dtypes: list, keys: int = 0) -> list[mx.array]:
+            return kern(inputs=inputs, template=tpl[name], grid=(grid(plan, name, keys, hkv), 1, 1),
+                        threadgroup=(thr[name], 1, 1), output_shapes=shapes, output_dtypes=dtypes)
 
         def attend(query: mx.array, cache: KVCache, at: mx.array) -> mx.array:
-            n = splits(cache.offset + 1)
-            return run(katt, "attend", [query, cache.keys, cache.values, at, scale, *o], (n, hq, hd + 2),
-                       mx.float32, thr["attend"] * hkv * n)
+            keys = cache.offset + 1
+            return run(katt, "attend", [query, cache.keys, cache.values, at, scale, *o], [(splits(keys), hq, hd + 2)],
+                       [mx.float32], keys)[0]
+
+        def attention(query: mx.array, cache: KVCache, at: mx.array, x: mx.array, sync: mx.array | None = None
+                      ) -> tuple[mx.array, mx.array]:
+            keys = cache.offset + 1
+            part, h = run(kall, "attention", [query, cache.keys, cache.values, at, scale, *o, x,
+                                              counters if sync is None else sync],
+                          [(splits(keys), hq, hd + 2), (1, 1, d)], [mx.float32, dt], keys)
+            return part, h
 
         return {
             "attn_in": lambda x, cache, at: run(kin, "attn_in", [x, n1, eps, *q, *k, *v, freqs, at, cache.keys,
-                                                                 cache.values], (1, 1, hq * hd), dt, grid["attn_in"]),
+                                                                 cache.values], [(1, 1, hq * hd)], [dt])[0],
             "attend": attend,
-            "attn_out": lambda part, x: run(kout, "attn_out", [part, *o, x], (1, 1, d), dt, grid["attn_out"]),
-            "mlp_in": lambda h: run(mlin, "mlp_in", [h, n2, eps2, *g, *u], (1, 1, f), dt, grid["mlp_in"]),
-            "mlp_out": lambda a, h: run(mlout, "mlp_out", [a, *dn, h], (1, 1, d), dt, grid["mlp_out"]),
+            "attn_out": lambda part, x: run(kout, "attn_out", [part, *o, x], [(1, 1, d)], [dt])[0],
+            "attention": attention,
+            "mlp_in": lambda h: run(mlin, "mlp_in", [h, n2, eps2, *g, *u], [(1, 1, f)], [dt])[0],
+            "mlp_out": lambda a, h: run(mlout, "mlp_out", [a, *dn, h], [(1, 1, d)], [dt])[0],
         }
 
     def step(self, x: mx.array, cache: KVCache) -> tuple[mx.array, ...]:
@@ -319,8 +360,11 @@ class FusedLayer(TransformerBlock):
         hidden, y). k and v land in the cache at its offset, which the caller advances."""
         st, at = self.stages, position(cache.offset)
         query = st["attn_in"](x, cache, at)
-        part = st["attend"](query, cache, at)
-        h = st["attn_out"](part, x)
+        if self.plan.merged:
+            part, h = st["attention"](query, cache, at, x)
+        else:
+            part = st["attend"](query, cache, at)
+            h = st["attn_out"](part, x)
         a = st["mlp_in"](h)
         return query, part, h, a, st["mlp_out"](a, h)
 
@@ -336,7 +380,9 @@ class FusedLayer(TransformerBlock):
 
 def kernel_bytes(layer: FusedLayer, name: str, keys: int) -> int:
     """Bytes one call of a kernel must read: its matrices (codes, scales and biases) and norm weights; attend
-    the keys and values of `keys` positions."""
+    the keys and values of `keys` positions; attention both attend's and attn_out's."""
+    if name == "attention":
+        return kernel_bytes(layer, "attend", keys) + kernel_bytes(layer, "attn_out", keys)
     nbytes = 0
     for m in READS[name]:
         fmt, arrays = matrix(projections(layer)[m])

@@ -229,20 +229,21 @@ __device__ __forceinline__ void stage_row(const T* a, int k, float* xs) {
 // The block stages the attention output (heads x D values) from the key-length splits' partial results
 // part (splits, heads, D + 2): per split and head, sum_j exp(s_j - m) v_j, then m and sum_j exp(s_j - m).
 // First each warp turns a head's maxima and sums into each split's weight (wts, heads x splits floats of
-// shared memory), then every value is one weighted sum over the splits.
+// shared memory), then every value is one weighted sum over the splits. part is read from L2 (__ldcg): in the
+// merged launch other blocks of the same kernel wrote it, and this SM's L1 may not know.
 template <typename T, int D>
 __device__ __forceinline__ void stage_attention(const float* part, int splits, int heads, float* xs, float* wts) {
   const int lane = threadIdx.x & 31, nw = blockDim.x / 32;
   for (int h = threadIdx.x / 32; h < heads; h += nw) {
     float m = neg_inf();
-    for (int s = lane; s < splits; s += 32) m = fmaxf(m, part[((int64_t)s * heads + h) * (D + 2) + D]);
+    for (int s = lane; s < splits; s += 32) m = fmaxf(m, __ldcg(part + ((int64_t)s * heads + h) * (D + 2) + D));
     m = warp_max(m);
     float den = 0.0f;
     for (int s = lane; s < splits; s += 32) {
       const float* p = part + ((int64_t)s * heads + h) * (D + 2);
-      const float f = p[D] == neg_inf() ? 0.0f : expf(p[D] - m);   // a split with no keys adds nothing
+      const float pm = __ldcg(p + D), f = pm == neg_inf() ? 0.0f : expf(pm - m);   // a split with no keys adds nothing
       wts[h * splits + s] = f;
-      den = fmaf(f, p[D + 1], den);
+      den = fmaf(f, __ldcg(p + D + 1), den);
     }
     den = warp_sum(den);
     for (int s = lane; s < splits; s += 32) wts[h * splits + s] /= den;
@@ -251,7 +252,7 @@ __device__ __forceinline__ void stage_attention(const float* part, int splits, i
   for (int e = threadIdx.x; e < heads * D; e += blockDim.x) {
     const int h = e / D, i = e % D;
     float v = 0.0f;
-    for (int s = 0; s < splits; ++s) v = fmaf(wts[h * splits + s], part[((int64_t)s * heads + h) * (D + 2) + i], v);
+    for (int s = 0; s < splits; ++s) v = fmaf(wts[h * splits + s], __ldcg(part + ((int64_t)s * heads + h) * (D + 2) + i), v);
     xs[pad(e)] = rnd<T>(v);
   }
   __syncthreads();
@@ -271,6 +272,199 @@ __device__ __forceinline__ void load_head(const T* p, float (&f)[E]) {
   } else {
     #pragma unroll
     for (int i = 0; i < E; ++i) f[i] = to_float(p[i]);
+  }
+}
+
+// One launch whose blocks hand work on (the merged attention: attend's splits to the output projection), by three
+// counters the layer keeps zeroed between launches. sync[0] hands out tickets in the order blocks start, so the
+// first tickets, the producers, all run before any block waits: no deadlock, whatever order the GPU starts
+// blocks in and however few fit at once. sync[1] counts producers done, sync[2] blocks done; the last block out
+// zeroes all three. (A grid-wide barrier in the manner of cooperative groups' grid.sync, without its launch.)
+__device__ __forceinline__ int ticket(int* sync) {
+  __shared__ int t;
+  if (threadIdx.x == 0) t = atomicAdd(sync, 1);
+  __syncthreads();
+  return t;
+}
+
+// A producer's writes, made visible to the whole GPU, then counted
+__device__ __forceinline__ void arrive(int* sync) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(sync + 1, 1);
+  }
+}
+
+// Waits for `count` producers: 0, or NaN once ~a second has passed without them (a broken handoff then shows
+// in the layer's output instead of hanging the GPU)
+__device__ __forceinline__ float wait_for(int* sync, int count) {
+  __shared__ float bad;
+  if (threadIdx.x == 0) {
+    int seen = 0, spins = 0;
+    for (; spins < (1 << 20); ++spins) {
+      asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(sync + 1) : "memory");
+      if (seen >= count) break;
+      __nanosleep(32);
+    }
+    bad = seen >= count ? 0.0f : __int_as_float(0x7fc00000);
+    __threadfence();
+  }
+  __syncthreads();
+  return bad;
+}
+
+__device__ __forceinline__ void depart(int* sync) {
+  if (threadIdx.x == 0 && atomicAdd(sync + 2, 1) == (int)gridDim.x - 1) {
+    sync[0] = 0;
+    sync[1] = 0;
+    sync[2] = 0;
+  }
+}
+
+// Decode attention over the cache, split over the key length: block `blk` of `nblk` (key head, split) reads the
+// keys and values of its share of the n positions once for the G query heads of that key head (grouped-query
+// attention). Its first NA warps take 8 keys at a time, 4 lanes a key: each lane dots a quarter of its key with
+// the G queries (staged in shared memory, scaled), two shuffles add the quarters, and an online softmax over the
+// 8 keys updates the lane's share of each head's output (dims lane*E.., the 8 keys' weights passed by shuffles).
+// Then the block merges those warps into part[split, head] = (sum exp(s - m) v, m, sum exp(s - m)).
+// PF: the blocks first move the output projection's matrix (w0, s0, b0) into L2, for its reader next.
+template <typename T, int NA, int B0, int D, int G, bool PF>
+__device__ __forceinline__ void attend_split(int blk, int nblk, int splits, const T* q, const T* kc, const T* vc,
+                                             int cap, int n, float scale, const void* w0, int64_t wbytes,
+                                             const T* s0, const T* b0, int64_t sbytes, float* part, float* xs) {
+  constexpr int E = D / 32, LK = 4, KS = 32 / LK, SD = D / LK, QROW = SD + 4;   // a quarter, padded: no conflicts
+  const int hk = blk / splits, sp = blk % splits, hq = nblk / splits * G;
+  const int per = (n + splits - 1) / splits, j0 = sp * per, j1 = min(n, j0 + per);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, quarter = lane % LK, mykey = lane / LK;
+  if constexpr (PF) {
+    const int64_t tid = (int64_t)blk * blockDim.x + threadIdx.x, nth = (int64_t)nblk * blockDim.x;
+    prefetch_l2(w0, wbytes, tid, nth);
+    if constexpr (B0 != 16) {
+      prefetch_l2(s0, sbytes, tid, nth);
+      prefetch_l2(b0, sbytes, tid, nth);
+    }
+  }
+  float* qs = xs + ((NA * G * (D + 2) + 3) & ~3);   // after the warps' partial results, 16-byte aligned
+  for (int t = threadIdx.x; t < G * D; t += blockDim.x) {
+    const int g = t / D, d = t % D;
+    qs[(g * LK + d / SD) * QROW + d % SD] = to_float(q[(int64_t)hk * G * D + t]) * scale;
+  }
+  __syncthreads();
+  const bool al = ((uintptr_t)kc & 15) == 0;
+  float m[G], l[G], acc[G][E];
+  #pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m[g] = neg_inf();
+    l[g] = 0.0f;
+    #pragma unroll
+    for (int e = 0; e < E; ++e) acc[g][e] = 0.0f;
+  }
+  for (int j = j0 + warp * KS; warp < NA && j < j1; j += NA * KS) {
+    const bool valid = j + mykey < j1;
+    const T* kr = kc + ((int64_t)hk * cap + min(j + mykey, j1 - 1)) * D + quarter * SD;   // past the end: re-read
+    uint4 kw[SD / 8];
+    #pragma unroll
+    for (int c = 0; c < SD / 8; ++c)
+      kw[c] = al ? ::ref_gemv::load_x16<true>(kr + 8 * c) : ::ref_gemv::load_x16<false>(kr + 8 * c);
+    float vv[KS][E];                                 // the 8 keys' values, this lane's dims
+    #pragma unroll
+    for (int b = 0; b < KS; ++b) load_head<T, E>(vc + ((int64_t)hk * cap + min(j + b, j1 - 1)) * D + lane * E, vv[b]);
+    float sc[G];
+    #pragma unroll
+    for (int g = 0; g < G; ++g) sc[g] = 0.0f;
+    #pragma unroll
+    for (int c = 0; c < SD / 8; ++c) {
+      float kf[8];
+      ::ref_gemv::unpack<T>(kw[c], kf);
+      #pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const float4* qp = reinterpret_cast<const float4*>(qs + (g * LK + quarter) * QROW + 8 * c);
+        const float4 a = qp[0], b = qp[1];
+        sc[g] = fmaf(kf[0], a.x, fmaf(kf[1], a.y, fmaf(kf[2], a.z, fmaf(kf[3], a.w, sc[g]))));
+        sc[g] = fmaf(kf[4], b.x, fmaf(kf[5], b.y, fmaf(kf[6], b.z, fmaf(kf[7], b.w, sc[g]))));
+      }
+    }
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float s = sc[g] + __shfl_xor_sync(0xFFFFFFFFu, sc[g], 1);
+      s += __shfl_xor_sync(0xFFFFFFFFu, s, 2);
+      s = valid ? s : neg_inf();
+      float mx = fmaxf(s, __shfl_xor_sync(0xFFFFFFFFu, s, 4));
+      mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 8));
+      mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 16));
+      const float mn = fmaxf(m[g], mx), corr = expf(m[g] - mn);   // the first key is valid: mn is finite
+      const float p = valid ? expf(s - mn) : 0.0f;
+      l[g] = fmaf(l[g], corr, p);                    // this lane's key's share; summed over keys at the end
+      #pragma unroll
+      for (int e = 0; e < E; ++e) acc[g][e] *= corr;
+      #pragma unroll
+      for (int b = 0; b < KS; ++b) {
+        const float pb = __shfl_sync(0xFFFFFFFFu, p, b * LK);
+        #pragma unroll
+        for (int e = 0; e < E; ++e) acc[g][e] = fmaf(pb, vv[b][e], acc[g][e]);
+      }
+      m[g] = mn;
+    }
+  }
+  #pragma unroll
+  for (int g = 0; g < G; ++g) {                      // the sums over the warp's keys (a key's 4 lanes agree)
+    l[g] += __shfl_xor_sync(0xFFFFFFFFu, l[g], 4);
+    l[g] += __shfl_xor_sync(0xFFFFFFFFu, l[g], 8);
+    l[g] += __shfl_xor_sync(0xFFFFFFFFu, l[g], 16);
+  }
+  float* mine = xs + warp * G * (D + 2);
+  if (warp < NA) {
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+      #pragma unroll
+      for (int e = 0; e < E; ++e) mine[g * (D + 2) + lane * E + e] = acc[g][e];
+      if (lane == 0) { mine[g * (D + 2) + D] = m[g]; mine[g * (D + 2) + D + 1] = l[g]; }
+    }
+  }
+  __syncthreads();
+  for (int t = threadIdx.x; t < G * (D + 1); t += blockDim.x) {
+    const int g = t / (D + 1), e = t % (D + 1);      // e == D: the row's max and sum
+    float mx = neg_inf();
+    for (int w = 0; w < NA; ++w) mx = fmaxf(mx, xs[(w * G + g) * (D + 2) + D]);
+    float v = 0.0f, s = 0.0f;
+    for (int w = 0; w < NA; ++w) {
+      const float* o = xs + (w * G + g) * (D + 2);
+      const float f = o[D] == neg_inf() ? 0.0f : expf(o[D] - mx);
+      v = fmaf(f, e < D ? o[e] : 0.0f, v);
+      s = fmaf(f, o[D + 1], s);
+    }
+    float* out = part + ((int64_t)sp * hq + hk * G + g) * (D + 2);
+    if (e < D) out[e] = v;
+    else { out[D] = mx; out[D + 1] = s; }
+  }
+}
+
+// The output projection of the merged attention plus the residual, y = x + (attention W^T) in T, for block
+// `blk`: its NW warps' R rows each. `ready()` runs once the block has asked for its rows, before it reads part:
+// 0, or NaN when the attention never came (the output then says so).
+template <typename T, int NW, int B0, int G0, int R, int U, int D, bool Q8, class Ready>
+__device__ __forceinline__ void project_attention(int blk, const float* part, int splits, int hq, const void* w0,
+                                                  const T* s0, const T* b0, const T* x, int n, T* y, float* xs,
+                                                  Ready ready) {
+  const int k = hq * D, lane = threadIdx.x & 31, row0 = (blk * NW + threadIdx.x / 32) * R;
+  const uint32_t* wr[R];
+  const T* sr[R];
+  const T* br[R];
+  float acc[R];
+  for (int r = 0; r < R; ++r) row_ptrs<T, B0, G0>(w0, s0, b0, k, min(row0 + r, n - 1), wr[r], sr[r], br[r]);
+  if (row0 < n) prefetch<R, U>(wr, k * B0 / 32);
+  const float bad = ready();
+  stage_attention<T, D>(part, splits, hq, xs, xs + pad(k) + 4);
+  if constexpr (Q8) quantize_row(xs, k);            // where the split weights were
+  if (row0 >= n) return;
+  if ((((uintptr_t)w0) & 15) == 0) dot_row<Q8, true, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
+  else dot_row<Q8, false, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
+  if (lane < R && row0 + lane < n) {
+    float v = acc[0];
+    #pragma unroll
+    for (int r = 1; r < R; ++r) if (lane == r) v = acc[r];
+    y[row0 + lane] = ::ref_gemv::from_float<T>(to_float(x[row0 + lane]) + rnd<T>(v) + bad);
   }
 }
 
@@ -345,147 +539,42 @@ ATTN_IN = r"""
   }
 """
 
-# Decode attention over the cache, split over the key length: block (key head, split) reads keys and values
-# of its share of positions 0..pos once for the G query heads of that key head (grouped-query attention).
-# A warp takes 8 keys at a time, 4 lanes a key: each lane dots a quarter of its key with the G queries (staged
-# in shared memory, scaled), two shuffles add the quarters, and an online softmax over the 8 keys updates
-# the lane's share of each head's output (dims lane*E.., the 8 keys' weights passed by shuffles). Then the
-# block merges its warps into part[split, head] = (sum exp(s - m) v, m, sum exp(s - m)). attn_out merges the
-# splits. (Its first layout, 32 lanes a key, spent five dependent shuffles a key and head; this one spends two a
-# key and three for every 8 keys, yet the H100 profile in results/h100-20261206-115613.json still gives it ~14 us a
+# Decode attention, split over the key length (attend_split in the header): one block per key head and split.
+# (Its first layout, 32 lanes a key, spent five dependent shuffles a key and head; today's spends two a key and
+# three for every 8 keys, yet the H100 profile in results/h100-20261206-115613.json still gives it ~14 us a
 # layer at 256 keys: its time goes elsewhere.)
 ATTEND = r"""
   extern __shared__ float xs[];
-  constexpr int E = D / 32, LK = 4, KS = 32 / LK, SD = D / LK, QROW = SD + 4;   // a quarter, padded: no conflicts
-  const int hkv = kc_shape[1], cap = kc_shape[2], hq = hkv * G;
-  const int splits = gridDim.x / hkv, hk = blockIdx.x / splits, sp = blockIdx.x % splits;
-  const int n = pos[0] + 1, per = (n + splits - 1) / splits, j0 = sp * per, j1 = min(n, j0 + per);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, quarter = lane % LK, mykey = lane / LK;
-  if constexpr (PF) {   // attn_out's matrix into L2 while this kernel reads the cache: attn_out then reads L2
-    const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, nth = (int64_t)gridDim.x * blockDim.x;
-    ::ref_layer::prefetch_l2(w0, (int64_t)w0_shape[0] * w0_shape[1] * sizeof(*w0), tid, nth);
-    if constexpr (B0 != 16) {
-      ::ref_layer::prefetch_l2(s0, (int64_t)s0_shape[0] * s0_shape[1] * sizeof(T), tid, nth);
-      ::ref_layer::prefetch_l2(b0, (int64_t)b0_shape[0] * b0_shape[1] * sizeof(T), tid, nth);
-    }
-  }
-  float* qs = xs + ((NW * G * (D + 2) + 3) & ~3);   // after the warps' partial results, 16-byte aligned
-  for (int t = threadIdx.x; t < G * D; t += blockDim.x) {
-    const int g = t / D, d = t % D;
-    qs[(g * LK + d / SD) * QROW + d % SD] = ::ref_layer::to_float(q[(int64_t)hk * G * D + t]) * scale[0];
-  }
-  __syncthreads();
-  const bool al = ((uintptr_t)kc & 15) == 0;
-  float m[G], l[G], acc[G][E];
-  #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    m[g] = ::ref_layer::neg_inf();
-    l[g] = 0.0f;
-    #pragma unroll
-    for (int e = 0; e < E; ++e) acc[g][e] = 0.0f;
-  }
-  for (int j = j0 + warp * KS; j < j1; j += NW * KS) {
-    const bool valid = j + mykey < j1;
-    const T* kr = kc + ((int64_t)hk * cap + min(j + mykey, j1 - 1)) * D + quarter * SD;   // past the end: re-read
-    uint4 kw[SD / 8];
-    #pragma unroll
-    for (int c = 0; c < SD / 8; ++c)
-      kw[c] = al ? ::ref_gemv::load_x16<true>(kr + 8 * c) : ::ref_gemv::load_x16<false>(kr + 8 * c);
-    float vv[KS][E];                                 // the 8 keys' values, this lane's dims
-    #pragma unroll
-    for (int b = 0; b < KS; ++b)
-      ::ref_layer::load_head<T, E>(vc + ((int64_t)hk * cap + min(j + b, j1 - 1)) * D + lane * E, vv[b]);
-    float sc[G];
-    #pragma unroll
-    for (int g = 0; g < G; ++g) sc[g] = 0.0f;
-    #pragma unroll
-    for (int c = 0; c < SD / 8; ++c) {
-      float kf[8];
-      ::ref_gemv::unpack<T>(kw[c], kf);
-      #pragma unroll
-      for (int g = 0; g < G; ++g) {
-        const float4* qp = reinterpret_cast<const float4*>(qs + (g * LK + quarter) * QROW + 8 * c);
-        const float4 a = qp[0], b = qp[1];
-        sc[g] = fmaf(kf[0], a.x, fmaf(kf[1], a.y, fmaf(kf[2], a.z, fmaf(kf[3], a.w, sc[g]))));
-        sc[g] = fmaf(kf[4], b.x, fmaf(kf[5], b.y, fmaf(kf[6], b.z, fmaf(kf[7], b.w, sc[g]))));
-      }
-    }
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      float s = sc[g] + __shfl_xor_sync(0xFFFFFFFFu, sc[g], 1);
-      s += __shfl_xor_sync(0xFFFFFFFFu, s, 2);
-      s = valid ? s : ::ref_layer::neg_inf();
-      float mx = fmaxf(s, __shfl_xor_sync(0xFFFFFFFFu, s, 4));
-      mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 8));
-      mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 16));
-      const float mn = fmaxf(m[g], mx), corr = expf(m[g] - mn);   // the first key is valid: mn is finite
-      const float p = valid ? expf(s - mn) : 0.0f;
-      l[g] = fmaf(l[g], corr, p);                    // this lane's key's share; summed over keys at the end
-      #pragma unroll
-      for (int e = 0; e < E; ++e) acc[g][e] *= corr;
-      #pragma unroll
-      for (int b = 0; b < KS; ++b) {
-        const float pb = __shfl_sync(0xFFFFFFFFu, p, b * LK);
-        #pragma unroll
-        for (int e = 0; e < E; ++e) acc[g][e] = fmaf(pb, vv[b][e], acc[g][e]);
-      }
-      m[g] = mn;
-    }
-  }
-  #pragma unroll
-  for (int g = 0; g < G; ++g) {                      // the sums over the warp's keys (a key's 4 lanes agree)
-    l[g] += __shfl_xor_sync(0xFFFFFFFFu, l[g], 4);
-    l[g] += __shfl_xor_sync(0xFFFFFFFFu, l[g], 8);
-    l[g] += __shfl_xor_sync(0xFFFFFFFFu, l[g], 16);
-  }
-  float* mine = xs + warp * G * (D + 2);
-  #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    #pragma unroll
-    for (int e = 0; e < E; ++e) mine[g * (D + 2) + lane * E + e] = acc[g][e];
-    if (lane == 0) { mine[g * (D + 2) + D] = m[g]; mine[g * (D + 2) + D + 1] = l[g]; }
-  }
-  __syncthreads();
-  for (int t = threadIdx.x; t < G * (D + 1); t += blockDim.x) {
-    const int g = t / (D + 1), e = t % (D + 1);      // e == D: the row's max and sum
-    float mx = ::ref_layer::neg_inf();
-    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, xs[(w * G + g) * (D + 2) + D]);
-    float v = 0.0f, s = 0.0f;
-    for (int w = 0; w < NW; ++w) {
-      const float* o = xs + (w * G + g) * (D + 2);
-      const float f = o[D] == ::ref_layer::neg_inf() ? 0.0f : expf(o[D] - mx);
-      v = fmaf(f, e < D ? o[e] : 0.0f, v);
-      s = fmaf(f, o[D + 1], s);
-    }
-    float* out = part + ((int64_t)sp * hq + hk * G + g) * (D + 2);
-    if (e < D) out[e] = v;
-    else { out[D] = mx; out[D + 1] = s; }
-  }
+  const int64_t wbytes = (int64_t)w0_shape[0] * w0_shape[1] * sizeof(*w0), sbytes = (int64_t)s0_shape[0] * s0_shape[1] * sizeof(T);
+  ::ref_layer::attend_split<T, NW, B0, D, G, PF>(blockIdx.x, gridDim.x, gridDim.x / kc_shape[1], q, kc, vc, kc_shape[2],
+                                                 pos[0] + 1, scale[0], w0, wbytes, s0, b0, sbytes, part, xs);
 """
 
-# The output projection of the merged attention, plus the residual: y = x + (attention W^T), each in T
+# The splits merged, the output projection, the residual (project_attention in the header)
 ATTN_OUT = r"""
   extern __shared__ float xs[];
-  const int splits = part_shape[0], hq = part_shape[1], k = hq * D, n = x_shape[2];
-  const int lane = threadIdx.x & 31, row0 = (blockIdx.x * NW + threadIdx.x / 32) * R;
-  const uint32_t* wr[R];
-  const T* sr[R];
-  const T* br[R];
-  float acc[R];
-  for (int r = 0; r < R; ++r)
-    ::ref_layer::row_ptrs<T, B0, G0>(w0, s0, b0, k, min(row0 + r, n - 1), wr[r], sr[r], br[r]);
-  if (row0 < n) ::ref_layer::prefetch<R, U>(wr, k * B0 / 32);
-  ::ref_layer::stage_attention<T, D>(part, splits, hq, xs, xs + ::ref_layer::pad(k) + 4);
-  if constexpr (Q8) ::ref_layer::quantize_row(xs, k);   // where the split weights were
-  if (row0 >= n) return;
-  if ((((uintptr_t)w0) & 15) == 0) ::ref_layer::dot_row<Q8, true, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
-  else ::ref_layer::dot_row<Q8, false, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
-  if (lane < R && row0 + lane < n) {
-    float v = acc[0];
-    #pragma unroll
-    for (int r = 1; r < R; ++r) if (lane == r) v = acc[r];
-    y[row0 + lane] = ::ref_gemv::from_float<T>(::ref_layer::to_float(x[row0 + lane]) + ::ref_layer::rnd<T>(v));
+  ::ref_layer::project_attention<T, NW, B0, G0, R, U, D, Q8>(blockIdx.x, part, part_shape[0], part_shape[1], w0, s0, b0,
+                                                             x, x_shape[2], y, xs, [] { return 0.0f; });
+"""
+
+# attend and attn_out in one launch: the first blocks to start (tickets, in the header) attend with NA warps, the
+# rest project once every split is in; `sync` holds the layer's three counters. One launch fewer a layer, and the
+# projection's blocks are in place (their rows asked for) when the attention lands.
+ATTENTION = r"""
+  extern __shared__ float xs[];
+  int* counters = const_cast<int*>(sync);
+  const int hkv = kc_shape[1], hq = hkv * G, n = x_shape[2], na = gridDim.x - (n + NW * R - 1) / (NW * R);
+  const int t = ::ref_layer::ticket(counters);
+  if (t < na) {
+    const int64_t wbytes = (int64_t)w0_shape[0] * w0_shape[1] * sizeof(*w0), sbytes = (int64_t)s0_shape[0] * s0_shape[1] * sizeof(T);
+    ::ref_layer::attend_split<T, NA, B0, D, G, PF>(t, na, na / hkv, q, kc, vc, kc_shape[2], pos[0] + 1, scale[0], w0,
+                                                   wbytes, s0, b0, sbytes, part, xs);
+    ::ref_layer::arrive(counters);
+  } else {
+    ::ref_layer::project_attention<T, NW, B0, G0, R, U, D, Q8>(t - na, part, na / hkv, hq, w0, s0, b0, x, n, y, xs,
+                                                               [&] { return ::ref_layer::wait_for(counters, na); });
   }
+  ::ref_layer::depart(counters);
 """
 
 # Norm, then the MLP's gate and up projections: y = silu(x Wg^T) * (x Wu^T), with MLX's roundings to T
@@ -552,6 +641,7 @@ SOURCES = {
                 ["q"], ATTN_IN),
     "attend": (["q", "kc", "vc", "pos", "scale", "w0", "s0", "b0"], ["part"], ATTEND),
     "attn_out": (["part", "w0", "s0", "b0", "x"], ["y"], ATTN_OUT),
+    "attention": (["q", "kc", "vc", "pos", "scale", "w0", "s0", "b0", "x", "sync"], ["part", "y"], ATTENTION),
     "mlp_in": (["x", "nw", "eps", "w0", "s0", "b0", "w1", "s1", "b1"], ["y"], MLP_IN),
     "mlp_out": (["a", "w0", "s0", "b0", "h"], ["y"], MLP_OUT),
 }

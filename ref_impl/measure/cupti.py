@@ -37,13 +37,11 @@ from ref_impl.platform.timing import clock
 
 NAME_CHARS = 60   # a kernel other than ours is named by this many characters of its demangled name
 
-# the launch settings profiled per weights: today's defaults, int8 activations (alone, and with more loads in
-# flight for mlp_in), attend without its prefetch of attn_out's matrix, attend over twice the splits, and
-# attn_out's warps before they were 16
+# the launch settings profiled per weights: today's defaults, attend and attn_out as two launches, int8
+# activations, attend without its prefetch of attn_out's matrix, and attend over twice the splits
 SETTINGS: dict[str, tuple[Setting, ...]] = {
-    "q4q8": (Setting(), Setting(int8=True), Setting(prefetch=False), Setting(keys_per_split=32),
-             Setting(int8=True, unroll={"mlp_in": 4}), Setting(warps={"attn_out": 8})),
-    "F16": (Setting(), Setting(prefetch=False), Setting(keys_per_split=32)),
+    "q4q8": (Setting(), Setting(merge=False), Setting(int8=True), Setting(prefetch=False), Setting(keys_per_split=32)),
+    "F16": (Setting(), Setting(merge=False), Setting(prefetch=False)),
 }
 
 

@@ -43,13 +43,15 @@ class Setting:
     rows_per_warp: int | None = None
     keys_per_split: int | None = None
     prefetch: bool | None = None     # attend prefetches attn_out's matrix into L2 (fusedlayer.PREFETCH)
+    merge: bool | None = None        # attend and attn_out as one launch, attention (fusedlayer.MERGE)
     int8: bool = False               # quantized matrices meet int8 activations (FusedLayer.switch)
 
     @property
     def changed(self) -> dict:
         """What the setting changes, as the records keep it ({} for the defaults)."""
         out = {"warps": dict(self.warps), "unroll": dict(self.unroll), "rows_per_warp": self.rows_per_warp,
-               "keys_per_split": self.keys_per_split, "prefetch": self.prefetch, "int8": self.int8 or None}
+               "keys_per_split": self.keys_per_split, "prefetch": self.prefetch, "merge": self.merge,
+               "int8": self.int8 or None}
         return {k: v for k, v in out.items() if v not in ({}, None)}
 
     @property
@@ -62,7 +64,7 @@ class Setting:
 
 # the queued sweep's settings: today's defaults and their neighbours, one table entry at a time
 SWEEP = (Setting(), Setting(rows_per_warp=1), Setting(rows_per_warp=4),
-         Setting(warps={k: 4 for k in fusedlayer.KERNELS}), Setting(warps={k: 16 for k in fusedlayer.KERNELS}),
+         Setting(warps={k: 4 for k in fusedlayer.WARPS}), Setting(warps={k: 16 for k in fusedlayer.WARPS}),
          Setting(unroll={k: 8 for k in ("attn_in", "attn_out", "mlp_out")}),
          Setting(keys_per_split=32), Setting(keys_per_split=128))
 
@@ -72,17 +74,18 @@ def applied(setting: Setting) -> Iterator[None]:
     """The fused layer's launch tables with `setting`'s entries in place, restored on leaving (layers built
     or relaunched inside keep the setting: `relaunch`)."""
     saved = (fusedlayer.WARPS, fusedlayer.UNROLL, fusedlayer.ROWS_PER_WARP, fusedlayer.KEYS_PER_SPLIT,
-             fusedlayer.PREFETCH)
+             fusedlayer.PREFETCH, fusedlayer.MERGE)
     fusedlayer.WARPS = {**saved[0], **setting.warps}
     fusedlayer.UNROLL = {**saved[1], **{k: (u, u) for k, u in setting.unroll.items()}}
     fusedlayer.ROWS_PER_WARP = setting.rows_per_warp or saved[2]
     fusedlayer.KEYS_PER_SPLIT = setting.keys_per_split or saved[3]
     fusedlayer.PREFETCH = saved[4] if setting.prefetch is None else setting.prefetch
+    fusedlayer.MERGE = saved[5] if setting.merge is None else setting.merge
     try:
         yield
     finally:
         (fusedlayer.WARPS, fusedlayer.UNROLL, fusedlayer.ROWS_PER_WARP, fusedlayer.KEYS_PER_SPLIT,
-         fusedlayer.PREFETCH) = saved
+         fusedlayer.PREFETCH, fusedlayer.MERGE) = saved
 
 
 def relaunch(model: Model, int8: bool = False) -> int:
@@ -98,7 +101,7 @@ def launch_fields(quantized: bool) -> dict:
     """The launch tables as they stand, for a dense or quantized model: what a record says ran."""
     return {"warps": dict(fusedlayer.WARPS), "unroll": {k: v[int(quantized)] for k, v in fusedlayer.UNROLL.items()},
             "rows_per_warp": fusedlayer.ROWS_PER_WARP, "keys_per_split": fusedlayer.KEYS_PER_SPLIT,
-            "prefetch": fusedlayer.PREFETCH}
+            "prefetch": fusedlayer.PREFETCH, "merge": fusedlayer.MERGE}
 
 
 def mix_model(weights: str, shape: str = "Llama-3.1-8B", layers: int | None = None, seed: int = 0) -> Model:

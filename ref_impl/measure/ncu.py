@@ -33,6 +33,8 @@ import mlx.core as mx
 
 import ref_impl
 from ref_impl.engine.generate import decoder, prefill
+from ref_impl.engine.model import TransformerBlock
+from ref_impl.engine.random import args_for
 from ref_impl.kernels import fusedlayer
 from ref_impl.measure.cupti import kernel_name
 from ref_impl.measure.layerlaunch import MIXES, mix_model, needs_cuda
@@ -41,9 +43,15 @@ from ref_impl.measure.records import record
 SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "MemoryWorkloadAnalysis",
             "SchedulerStats", "ComputeWorkloadAnalysis")
 LAYERS, CONTEXT, STEPS = 4, 256, 4      # the decode ncu profiles: 4 layers, 4 steps after 256 tokens
-KERNELS_PER_STEP = LAYERS * len(fusedlayer.KERNELS)
 STALL_KERNELS = ("attn_in", "mlp_in")   # sampled instruction by instruction
 TOP = 8                                 # instructions a kernel's stall records keep
+
+
+def launches_per_layer() -> int:
+    """Kernels one fused layer of the profiled shape launches a step (fusedlayer.Launches.order)."""
+    block = TransformerBlock(args_for("Llama-3.1-8B"))    # lazy: only its shapes are read
+    block.set_dtype(mx.float16)
+    return len(fusedlayer.launches(block).order())
 
 
 def decode_target(weights: str, layers: int = LAYERS, context: int = CONTEXT, steps: int = STEPS) -> None:
@@ -150,8 +158,8 @@ def weights_records(weights: str, work: Path, stalls: bool, say: Callable[[str],
     with `stalls` the ncu-stall records of attn_in and mlp_in in layer 0 of the third step."""
     fields = {"model": "Llama-3.1-8B", "weights": weights, "kv": "f16", "context": CONTEXT, "layers": LAYERS}
     what = [a for s in SECTIONS for a in ("--section", s)]
-    report = ncu_report(weights, work / f"ncu-{weights}", "ref_layer", 2 * KERNELS_PER_STEP,
-                        2 * len(fusedlayer.KERNELS), what)
+    per_layer = launches_per_layer()
+    report = ncu_report(weights, work / f"ncu-{weights}", "ref_layer", 2 * LAYERS * per_layer, 2 * per_layer, what)
     out = metric_records(run_ncu(["-i", str(report), "--page", "details", "--csv"]), fields)
     say(f"ncu {weights}: {len(out)} metrics of {len({r['launch_id'] for r in out})} launches")
     if stalls:
