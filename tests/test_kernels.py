@@ -374,8 +374,8 @@ class StandIn:
 
 def stand_in_stages(layer: nn.Module) -> dict:
     """FusedLayer.bind on any backend: each fused kernel stood in for by the layer's own modules (MLX's ops),
-    the k/v write into the cache included; `attend` hands attn_out the attention output itself, and `attention`
-    runs the two."""
+    the k/v write into the cache included; `attend` hands attn_out the attention output itself, and each pair
+    (attention, mlp) runs its two."""
     attn, mlp = layer.self_attn, layer.mlp
 
     def heads(t: mx.array, n: int) -> mx.array:
@@ -404,8 +404,12 @@ def stand_in_stages(layer: nn.Module) -> dict:
         o = attend(q, cache, at)
         return o, attn_out(o, x)
 
+    def mlp_both(h: mx.array, sync=None) -> tuple[mx.array, mx.array]:
+        a = mlp_in(h)
+        return a, h + mlp.down_proj(a)
+
     return {"attn_in": attn_in, "attend": attend, "attn_out": attn_out, "attention": attention,
-            "mlp_in": mlp_in, "mlp_out": lambda a, h: h + mlp.down_proj(a)}
+            "mlp_in": mlp_in, "mlp_out": lambda a, h: h + mlp.down_proj(a), "mlp": mlp_both}
 
 
 @contextlib.contextmanager
@@ -555,7 +559,8 @@ def test_fused_layer_timing_flow_with_stand_in_kernels():
         assert per["attend"][1] == 2 * 2 * 2 * 20 * 32 * 2                  # layers x k,v x heads x keys x D x 2 B
         assert per["mlp_in"][1] > per["attn_out"][1]
         assert per["attention"][1] == per["attend"][1] + per["attn_out"][1]
-        with layerlaunch.applied(layerlaunch.Setting(merge=False)):
+        assert per["mlp"][1] == per["mlp_in"][1] + per["mlp_out"][1]
+        with layerlaunch.applied(layerlaunch.Setting(merge=("mlp",))):
             layerlaunch.relaunch(model)
             assert "attention" not in suite.layer_kernel_ms(model, context=20, passes=1)
         layerlaunch.relaunch(model)
@@ -972,8 +977,12 @@ def test_fused_layer_launches_cover_every_row():
     assert dict(plan.templates["attn_in"])["B2"] == 8 and dict(plan.templates["mlp_out"])["B0"] == 8
     assert [fusedlayer.splits(n) for n in (1, 64, 65, 256, 10 ** 6)] == [1, 1, 2, 4, fusedlayer.MAX_SPLITS]
     # attention: attend's blocks (a key head and split each), then attn_out's, in attn_out's block size, with the
-    # larger of the two kernels' shared memory; merged while attend's accumulators fit 128 registers a thread
-    assert plan.merged and plan.order() == ("attn_in", "attention", "mlp_in", "mlp_out")
+    # larger of the two kernels' shared memory; merged while attend's accumulators fit 128 registers a thread.
+    # mlp: mlp_in's blocks, then mlp_out's
+    assert plan.merged == ("attention", "mlp") and plan.order() == ("attn_in", "attention", "mlp")
+    assert plan.grids["mlp"] == plan.grids["mlp_in"] + plan.grids["mlp_out"] and plan.threads["mlp"] == 8 * 32
+    assert plan.shared["mlp"] == plan.shared["mlp_out"] > plan.shared["mlp_in"]
+    assert dict(plan.templates["mlp"])["B1"] == 8 and dict(plan.templates["mlp"])["B0"] == 4
     for keys in (1, 300):
         blocks = 8 * fusedlayer.splits(keys) + plan.grids["attn_out"] // plan.threads["attn_out"]
         assert fusedlayer.grid(plan, "attention", keys, 8) == blocks * plan.threads["attention"]
@@ -983,9 +992,12 @@ def test_fused_layer_launches_cover_every_row():
     assert dict(plan.templates["attention"])["NA"] == fusedlayer.WARPS["attend"]
     wide = TransformerBlock(replace(args_for("Llama-3.1-8B"), num_key_value_heads=4))   # 8 query heads a key head
     wide.set_dtype(mx.float16)
-    assert not fusedlayer.launches(wide).merged and len(fusedlayer.launches(wide).order()) == 5
-    with layerlaunch.applied(layerlaunch.Setting(merge=False)):
-        assert not fusedlayer.launches(block).merged
+    assert fusedlayer.launches(wide).merged == ("mlp",)
+    assert fusedlayer.launches(wide).order() == ("attn_in", "attend", "attn_out", "mlp")
+    with layerlaunch.applied(layerlaunch.Setting(merge=())):
+        assert fusedlayer.launches(block).merged == () and len(fusedlayer.launches(block).order()) == 5
+    with layerlaunch.applied(layerlaunch.Setting(warps={"mlp_out": 16})):
+        assert fusedlayer.launches(block).merged == ("attention",)
     # int8 activations: the matrix kernels but mlp_out say so, and each holds the row's int8 copy after its floats
     # (a float2 per 16 values, then k bytes in two regions 64 bytes apart); a dense layer has no int8 kernels
     q8 = fusedlayer.launches(block, int8=True)
@@ -994,6 +1006,7 @@ def test_fused_layer_launches_cover_every_row():
         assert dict(q8.templates[name])["Q8"] == (name != "mlp_out")
         assert q8.shared[name] >= 4 * (k + 4 * (k // 32) + 4) + (8 * (k // 16) + k + 64 if name != "mlp_out" else 0)
     assert dict(q8.templates["attention"])["Q8"] and q8.shared["mlp_out"] == plan.shared["mlp_out"]
+    assert dict(q8.templates["mlp"])["Q8"] and not dict(q8.templates["mlp"])["Q8D"]
     dense = TransformerBlock(args_for("Llama-3.1-8B"))
     dense.set_dtype(mx.float16)
     assert not any(dict(t).get("Q8") for t in fusedlayer.launches(dense, int8=True).templates.values())
@@ -1056,22 +1069,23 @@ def test_fused_layer_against_float64_oracle():
     Q4_K_M mix of 4- and 8-bit groups of 32, 4-bit groups of 64 at Llama-3.1-8B's layer shape; adjacent and
     half-head RoPE pairs; head sizes 64 and 128; at positions that give attend 1 to 4 key-length splits. The
     quantized layers run twice: float activations, and int8 ones against the oracle that rounds as they do (and
-    within a few percent of the float oracle: the rounding itself). attend and attn_out run as one launch
-    (attention), and as two for the first case of each kind."""
+    within a few percent of the float oracle: the rounding itself). Each pair of kernels runs as one launch
+    (attention, mlp), and as two for the first case of each kind."""
     cases = [(512, 8, 2, 1408, "f16", "llama", mx.float16, (0, 5, 300)),
              (512, 8, 8, 1024, "f16", "qwen2", mx.bfloat16, (1, 260)),
              (1024, 8, 2, 2816, "q4q8", "qwen2", mx.float16, (3, 700)),
              (1024, 16, 4, 2048, "q4q8", "llama", mx.float16, (17,)),
              (4096, 32, 8, 14336, "q4g64", "llama", mx.float16, (1000,))]
     rng = np.random.default_rng(0)
-    runs = [(case, int8, True) for case in cases for int8 in ((False, True) if case[4] != "f16" else (False,))]
-    runs += [(cases[0], False, False), (cases[2], False, False)]
+    runs = [(case, int8, fusedlayer.PAIRS) for case in cases
+            for int8 in ((False, True) if case[4] != "f16" else (False,))]
+    runs += [(cases[0], False, ()), (cases[2], False, ())]
     for (hidden, heads, kv, inter, quant, arch, dt, positions), int8, merge in runs:
         model = layer_model(hidden, heads, kv, inter, quant, arch, dt)
         with layerlaunch.applied(layerlaunch.Setting(merge=merge)):
             assert fusedlayer.fuse(model, int8=int8) == {}
         layer = model.layers[0]
-        assert layer.plan.merged == merge
+        assert layer.plan.merged == tuple(merge)
         D = layer.self_attn.head_dim
         for pos in positions:
             cache = model.make_cache(pos + 8)[0]
@@ -1095,7 +1109,7 @@ def test_fused_layer_against_float64_oracle():
                 print("    int8 rounding against float activations: " + ", ".join(
                     f"{s} {e:.1e}" for s, e in drift.items()), flush=True)
                 assert max(drift.values()) < 0.05, drift
-            print(f"  {quant}{' int8' if int8 else ''}{'' if merge else ' unmerged'} {dtype_name(dt)} {arch} d={hidden} "
+            print(f"  {quant}{' int8' if int8 else ''}{'' if merge else ' five launches'} {dtype_name(dt)} {arch} d={hidden} "
                   f"H={heads}/{kv} D={D} f={inter} pos {pos} ({part.shape[0]} splits): "
                   + ", ".join(f"{s} {e:.1e}" for s, e in errs.items()), flush=True)
             assert max(errs.values()) < 2 ** -7, errs
@@ -1104,31 +1118,33 @@ def test_fused_layer_against_float64_oracle():
 
 
 @cuda_only
-def test_merged_attention_hands_over_on_its_own_counters():
-    """attention (attend and attn_out in one launch) on the 8B layer's shape: launches queued at once on counters
-    of their own all give the two-launch result, the layer's counters are zero again after a step, and counters
-    that never see attend's blocks arrive give NaN (after ~a second) instead of a hung GPU, and are zero after."""
+def test_merged_pairs_hand_over_on_their_own_counters():
+    """attention and mlp (each pair of kernels in one launch) on the 8B layer's shape: launches queued at once on
+    counters of their own all give the two-launch result, the counters are zero again after each, and counters that
+    never see the first half's blocks arrive give NaN (after ~a second) instead of a hung GPU, and are zero after."""
     model = layer_model(4096, 32, 8, 14336, "q4q8")
     assert fusedlayer.fuse(model) == {}
-    layer = model.layers[0]
+    layer, st = model.layers[0], model.layers[0].stages
     cache = model.make_cache(300)[0]
     cache.offset = 257
     x = (mx.random.normal((1, 1, 4096), key=mx.random.key(1))).astype(mx.float16)
     at = fusedlayer.position(cache.offset)
-    query = layer.stages["attn_in"](x, cache, at)
-    want = layer.stages["attn_out"](layer.stages["attend"](query, cache, at), x)
-    counters = [mx.zeros((3,), dtype=mx.int32) for _ in range(8)]
-    mx.eval(want, counters)
-    got = [layer.stages["attention"](query, cache, at, x, c)[1] for c in counters]
-    mx.eval(got)
-    assert all(mx.array_equal(g, want).item() for g in got)
-    assert all(c.tolist() == [0, 0, 0] for c in counters)
-    broken = mx.array([0, -10 ** 6, 0], dtype=mx.int32)
-    start = clock()
-    h = layer.stages["attention"](query, cache, at, x, broken)[1]
-    mx.eval(h)
-    print(f"  a handoff that never completes: NaN after {clock() - start:.1f} s", flush=True)
-    assert mx.isnan(h).all().item() and broken.tolist() == [0, 0, 0]
+    query = st["attn_in"](x, cache, at)
+    h = st["attn_out"](st["attend"](query, cache, at), x)
+    pairs = {"attention": ((query, cache, at, x), h), "mlp": ((h,), st["mlp_out"](st["mlp_in"](h), h))}
+    for pair, (args, want) in pairs.items():
+        counters = [mx.zeros((3,), dtype=mx.int32) for _ in range(8)]
+        mx.eval(want, counters)
+        got = [st[pair](*args, c)[1] for c in counters]
+        mx.eval(got)
+        assert all(mx.array_equal(g, want).item() for g in got), pair
+        assert all(c.tolist() == [0, 0, 0] for c in counters), pair
+        broken = mx.array([0, -10 ** 6, 0], dtype=mx.int32)
+        start = clock()
+        y = st[pair](*args, broken)[1]
+        mx.eval(y)
+        print(f"  {pair}: a handoff that never completes gives NaN after {clock() - start:.1f} s", flush=True)
+        assert mx.isnan(y).all().item() and broken.tolist() == [0, 0, 0], pair
 
 
 @cuda_only

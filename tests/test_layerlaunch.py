@@ -26,15 +26,15 @@ def test_applied_sets_the_tables_and_restores_them_even_on_error():
     before = tables()
     with pytest.raises(RuntimeError):
         setting = Setting(warps={"mlp_in": 4}, unroll={"attn_in": 8}, rows_per_warp=1, keys_per_split=32,
-                          prefetch=not before[4], merge=not before[5])
+                          prefetch=not before[4], merge=("mlp",))
         with layerlaunch.applied(setting):
             assert fusedlayer.WARPS["mlp_in"] == 4 and fusedlayer.WARPS["attn_out"] == before[0]["attn_out"]
             assert fusedlayer.UNROLL["attn_in"] == (8, 8) and fusedlayer.UNROLL["mlp_in"] == before[1]["mlp_in"]
             assert (fusedlayer.ROWS_PER_WARP, fusedlayer.KEYS_PER_SPLIT, fusedlayer.PREFETCH) == (1, 32, not before[4])
             fields = layerlaunch.launch_fields(quantized=True)
             assert fields["unroll"]["attn_in"] == 8 and fields["warps"]["mlp_in"] == 4 and fields["rows_per_warp"] == 1
-            assert fields["prefetch"] is not before[4] and fields["merge"] is not before[5]
-            assert fusedlayer.MERGE is not before[5]
+            assert fields["prefetch"] is not before[4] and fields["merge"] == ["mlp"] == list(fusedlayer.MERGE)
+            assert Setting(merge=()).label == "merge none" and Setting(merge=("mlp",)).changed == {"merge": ["mlp"]}
             raise RuntimeError("a failed measurement")
     assert before == tables()
     dense, quantized = layerlaunch.launch_fields(False), layerlaunch.launch_fields(True)
@@ -70,7 +70,8 @@ def test_a_setting_is_measured_as_its_records_say():
         recs = layerlaunch.setting_records(model, Setting(warps={"mlp_in": 4}), fields, context=24, tokens=4)
         assert model.layers[0].plan.threads["mlp_in"] == fusedlayer.WARPS["mlp_in"] * 32
     assert recs[0]["metric"] == "tokens_per_s" and recs[0]["value"] > 0
-    assert [r["kernel"] for r in recs[1:]] == list(fusedlayer.KERNELS)
+    # every kernel, and the pairs merged: attention, not mlp (its halves' warps differ under this setting)
+    assert [r["kernel"] for r in recs[1:]] == [k for k in fusedlayer.KERNELS if k != "mlp"]
     assert all(r["variant"] == "warps mlp_in=4" and r["launch"]["warps"]["mlp_in"] == 4 for r in recs)
     assert all(r["changed"] == {"warps": {"mlp_in": 4}} and r["experiment"] == "layer-launch" for r in recs)
     assert all(r["gb_per_s"] == pytest.approx(r["bytes_per_token"] / r["value"] / 1e6) for r in recs[1:])

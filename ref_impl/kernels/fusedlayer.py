@@ -12,9 +12,10 @@ whole layer's decode step as five `mx.fast.cuda_kernel` launches (source in fuse
     mlp_in    RMSNorm, silu(gate) * up
     mlp_out   the down projection, the residual
 
-and by default (MERGE) attend and attn_out run as one launch, `attention`: its first blocks to start attend, the
-others wait for them on counters the layer keeps (fusedlayer_cuda.py says how that cannot deadlock) and project.
-So an 8B token is ~135 primitives. Each kernel reads the weights as the GEMV kernels do (launch.py: 16-byte
+and by default (MERGE) each pair runs as one launch: `attention` (attend, attn_out) and `mlp` (mlp_in, mlp_out).
+The first blocks of such a launch to start do the first kernel's work, the others wait for them on counters the
+layer keeps (fusedlayer_cuda.py says how that cannot deadlock) and do the second's. So an 8B token is ~100
+primitives. Each kernel reads the weights as the GEMV kernels do (launch.py: 16-byte
 chunks, codes decoded with float tricks, a group's scale and bias applied once per chunk) from an input row
 staged in shared memory, and rounds to the activation type wherever MLX's graph stores an intermediate, so the
 layer computes what the unfused layer computes, up to float32 summation order.
@@ -54,7 +55,9 @@ from ref_impl.kernels.layers import GEMVLinear, format_of, on_cuda
 from ref_impl.platform.timing import clock, median
 
 KERNELS = tuple(SOURCES)
-MERGE = True            # attend and attn_out as one launch (attention): a launch fewer a layer, ~30 us of host time
+# the kernel pairs run as one launch, each a launch fewer a layer (~30 us of host time): name -> (first, second)
+PAIRS = {"attention": ("attend", "attn_out"), "mlp": ("mlp_in", "mlp_out")}
+MERGE = tuple(PAIRS)    # the pairs merged by default
 # warps per block: a block stages its input row once for all its warps, so more warps share that cost, but
 # blocks that do not all fit at once leave SMs idle in the last wave. Each kernel's GPU time per call on the
 # H200, 8B shapes, 4-bit ("kernel-profile" records, results/h200-20261202-042500.json): attn_out 19.6 us with 8 warps,
@@ -72,11 +75,11 @@ MAX_SPLITS = 32
 PREFETCH = True         # attend moves attn_out's matrix into L2 (attn_out is latency-bound; attend reads little)
 # the kernels that read int8 activations when asked: mlp_out re-quantizes its 14,336-wide row in every block,
 # which cost more than dp4a saved (30.4 us a layer against 26.2 with floats, H100, results/h100-20261206-115613.json)
-INT8_KERNELS = ("attn_in", "attn_out", "mlp_in")   # attention: as attn_out
+INT8_KERNELS = ("attn_in", "attn_out", "mlp_in")   # attention and mlp: as their halves
 MAX_GROUP = 16          # query heads per key head attend keeps in registers
 # each kernel's matrices, by their names in engine.model (self_attn.* or mlp.*)
 READS = {"attn_in": ("q_proj", "k_proj", "v_proj"), "attend": (), "attn_out": ("o_proj",),
-         "mlp_in": ("gate_proj", "up_proj"), "mlp_out": ("down_proj",), "attention": ()}
+         "mlp_in": ("gate_proj", "up_proj"), "mlp_out": ("down_proj",), "attention": (), "mlp": ()}
 MATRICES = tuple(m for ms in READS.values() for m in ms)
 
 
@@ -190,19 +193,18 @@ def why_not(block: nn.Module) -> str | None:
 class Launches:
     """The launches of one layer: per kernel its template, grid and block (threads, as MLX takes them)
     and shared memory bytes; attend's and attention's grids are per call (they depend on the key count: `grid`).
-    int8: the INT8_KERNELS read int8 activations (asked for, and the layer's matrices quantized); merged: a step
-    runs attention where it would run attend, then attn_out."""
+    int8: the INT8_KERNELS read int8 activations (asked for, and the layer's matrices quantized); merged: the
+    PAIRS a step runs as one launch each."""
     templates: dict
     grids: dict
     threads: dict
     shared: dict
     int8: bool = False
-    merged: bool = False
+    merged: tuple[str, ...] = ()
 
     def order(self) -> tuple[str, ...]:
         """The kernels one step launches, in order."""
-        attention = ("attention",) if self.merged else ("attend", "attn_out")
-        return ("attn_in", *attention, "mlp_in", "mlp_out")
+        return ("attn_in", *(k for pair, halves in PAIRS.items() for k in ((pair,) if pair in self.merged else halves)))
 
 
 def q8_bytes(k: int) -> int:
@@ -244,21 +246,25 @@ def launches(block: TransformerBlock, int8: bool = False) -> Launches:
     }
     templates["attention"] = head("attn_out") + [("NA", min(WARPS["attend"], WARPS["attn_out"]))] \
         + fmt(0, fmts[3]) + rows("attn_out") + [("D", hd), ("G", hq // hkv), ("PF", PREFETCH)]
-    threads = {k: 32 * WARPS[k] for k in KERNELS if k != "attention"}
-    threads["attention"] = threads["attn_out"]
+    templates["mlp"] = head("mlp_in") + fmt(0, fmts[4]) + fmt(1, fmts[6]) + rows("mlp_in") \
+        + [("UD", UNROLL["mlp_out"][quantized]), ("Q8D", q8 and "mlp_out" in INT8_KERNELS)]
+    threads = {k: 32 * WARPS[k] for k in KERNELS if k not in PAIRS}
+    threads.update({pair: threads[second] for pair, (_, second) in PAIRS.items()})
     counts = {"attn_in": blocks("attn_in", (hq + 2 * hkv) * hd, per_warp=2), "attn_out": blocks("attn_out", d),
               "mlp_in": blocks("mlp_in", f), "mlp_out": blocks("mlp_out", d)}
     grids = {k: threads[k] * b for k, b in counts.items()}
+    grids["mlp"] = threads["mlp"] * (counts["mlp_in"] + counts["mlp_out"])
     row = lambda k, name: 4 * padded(k) + (q8_bytes(k) if q8 and name in INT8_KERNELS else 0)   # + its int8 copy
     partials = WARPS["attend"] * (hq // hkv) * (hd + 2)             # attend: each warp's, then the queries
     shared = {"attn_in": row(d, "attn_in"), "attend": 4 * (-(-partials // 4) * 4 + (hq // hkv) * (hd + 16)),
               "attn_out": 4 * padded(hq * hd) + max(4 * hq * MAX_SPLITS, q8_bytes(hq * hd) if q8 else 0),
               "mlp_in": row(d, "mlp_in"), "mlp_out": row(f, "mlp_out")}
-    shared["attention"] = max(shared["attend"], shared["attn_out"])
+    shared.update({pair: max(shared[a], shared[b]) for pair, (a, b) in PAIRS.items()})
     # attention keeps attend's G x D / 32 accumulators a lane in a block of attn_out's size: past 512 values,
-    # ptxas (sm_90) gives it more than the 128 registers a thread that 16 warps may have, and it could not launch
-    fits = (hq // hkv) * hd <= 512 or WARPS["attn_out"] <= 8
-    return Launches(templates, grids, threads, shared, q8, MERGE and fits)
+    # ptxas (sm_90) gives it more than the 128 registers a thread that 16 warps may have, and it could not
+    # launch; mlp's halves must agree on their block
+    fits = {"attention": (hq // hkv) * hd <= 512 or WARPS["attn_out"] <= 8, "mlp": WARPS["mlp_in"] == WARPS["mlp_out"]}
+    return Launches(templates, grids, threads, shared, q8, tuple(p for p in MERGE if fits[p]))
 
 
 def grid(plan: Launches, name: str, keys: int, kv_heads: int) -> int:
@@ -310,9 +316,10 @@ class FusedLayer(TransformerBlock):
     def bind(self) -> dict[str, Callable[..., mx.array]]:
         """The kernels as functions with this layer's arrays and launches bound (no lookups per call):
         attn_in(x, cache, at) -> query (writes k and v into the cache at position `at`), attend(query, cache,
-        at) -> the key-length splits' partial attention, attn_out(part, x) -> h, attention(query, cache, at, x,
-        sync) -> (part, h) in one launch (sync: the handoff counters, the layer's unless given: two launches queued
-        at once must not share them), mlp_in(h) -> the MLP's hidden row, mlp_out(a, h) -> y."""
+        at) -> the key-length splits' partial attention, attn_out(part, x) -> h, mlp_in(h) -> the MLP's hidden
+        row, mlp_out(a, h) -> y; and the PAIRS in one launch each, attention(query, cache, at, x, sync) -> (part,
+        h) and mlp(h, sync) -> (a, y) (sync: the handoff's counters, the layer's unless given: two launches queued
+        at once must not share them)."""
         attn, mlp, plan = self.self_attn, self.mlp, self.plan
         dt = self.input_layernorm.weight.dtype
         q, k, v, o, g, u, dn = (matrix(m)[1] for m in projections(self).values())
@@ -324,8 +331,8 @@ class FusedLayer(TransformerBlock):
         hq, hkv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
         d, f = n1.shape[0], mlp_width(mlp)
         tpl, thr, smem = plan.templates, plan.threads, plan.shared
-        kin, katt, kout, kall, mlin, mlout = (kernel(n, smem[n]) for n in KERNELS)
-        counters = mx.zeros((3,), dtype=mx.int32)   # attention's handoff: zero between launches
+        kin, katt, kout, kall, mlin, mlout, kmlp = (kernel(n, smem[n]) for n in KERNELS)
+        counters = {pair: mx.zeros((3,), dtype=mx.int32) for pair in PAIRS}   # the handoffs: zero between launches
         mx.eval(counters)
 
         def run(kern, name: str, inputs: list, shapes: list, dtypes: list, keys: int = 0) -> list[mx.array]:
@@ -341,7 +348,7 @@ class FusedLayer(TransformerBlock):
                       ) -> tuple[mx.array, mx.array]:
             keys = cache.offset + 1
             part, h = run(kall, "attention", [query, cache.keys, cache.values, at, scale, *o, x,
-                                              counters if sync is None else sync],
+                                              counters["attention"] if sync is None else sync],
                           [(splits(keys), hq, hd + 2), (1, 1, d)], [mx.float32, dt], keys)
             return part, h
 
@@ -353,6 +360,8 @@ class FusedLayer(TransformerBlock):
             "attention": attention,
             "mlp_in": lambda h: run(mlin, "mlp_in", [h, n2, eps2, *g, *u], [(1, 1, f)], [dt])[0],
             "mlp_out": lambda a, h: run(mlout, "mlp_out", [a, *dn, h], [(1, 1, d)], [dt])[0],
+            "mlp": lambda h, sync=None: tuple(run(kmlp, "mlp", [h, n2, eps2, *g, *u, *dn, counters["mlp"] if sync is None
+                                                              else sync], [(1, 1, f), (1, 1, d)], [dt, dt])),
         }
 
     def step(self, x: mx.array, cache: KVCache) -> tuple[mx.array, ...]:
@@ -360,13 +369,17 @@ class FusedLayer(TransformerBlock):
         hidden, y). k and v land in the cache at its offset, which the caller advances."""
         st, at = self.stages, position(cache.offset)
         query = st["attn_in"](x, cache, at)
-        if self.plan.merged:
+        if "attention" in self.plan.merged:
             part, h = st["attention"](query, cache, at, x)
         else:
             part = st["attend"](query, cache, at)
             h = st["attn_out"](part, x)
-        a = st["mlp_in"](h)
-        return query, part, h, a, st["mlp_out"](a, h)
+        if "mlp" in self.plan.merged:
+            a, y = st["mlp"](h)
+        else:
+            a = st["mlp_in"](h)
+            y = st["mlp_out"](a, h)
+        return query, part, h, a, y
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         if not self.on or x.shape[:2] != (1, 1) or type(cache) is not KVCache or cache.batch != 1 \
@@ -380,9 +393,9 @@ class FusedLayer(TransformerBlock):
 
 def kernel_bytes(layer: FusedLayer, name: str, keys: int) -> int:
     """Bytes one call of a kernel must read: its matrices (codes, scales and biases) and norm weights; attend
-    the keys and values of `keys` positions; attention both attend's and attn_out's."""
-    if name == "attention":
-        return kernel_bytes(layer, "attend", keys) + kernel_bytes(layer, "attn_out", keys)
+    the keys and values of `keys` positions; a pair (PAIRS) both its kernels'."""
+    if name in PAIRS:
+        return sum(kernel_bytes(layer, k, keys) for k in PAIRS[name])
     nbytes = 0
     for m in READS[name]:
         fmt, arrays = matrix(projections(layer)[m])

@@ -211,14 +211,16 @@ __device__ __forceinline__ void stage_norm(const T* x, const T* w, float eps, in
   __syncthreads();
 }
 
-// The block stages a row of k values of T (k a multiple of 8) in xs
+// The block stages a row of k values of T (2 bytes each, k a multiple of 8) in xs, read from L2 (__ldcg): in the
+// merged MLP other blocks of the same launch wrote it, and this SM's L1 may not know
 template <typename T>
 __device__ __forceinline__ void stage_row(const T* a, int k, float* xs) {
   const bool vec = (((uintptr_t)a) & 15) == 0;
+  const unsigned short* bits = reinterpret_cast<const unsigned short*>(a);
   for (int c = threadIdx.x; c < k / 8; c += blockDim.x) {
     float f[8];
-    if (vec) load8<T>(a + 8 * c, f);
-    else for (int i = 0; i < 8; ++i) f[i] = to_float(a[8 * c + i]);
+    if (vec) ::ref_gemv::unpack<T>(__ldcg(reinterpret_cast<const uint4*>(a + 8 * c)), f);
+    else for (int i = 0; i < 8; ++i) f[i] = ::ref_gemv::to_float2<T>(__ldcg(bits + 8 * c + i)).x;   // the low half
     float* out = xs + pad(8 * c);
     #pragma unroll
     for (int i = 0; i < 8; ++i) out[i] = f[i];
@@ -275,7 +277,8 @@ __device__ __forceinline__ void load_head(const T* p, float (&f)[E]) {
   }
 }
 
-// One launch whose blocks hand work on (the merged attention: attend's splits to the output projection), by three
+// One launch whose blocks hand work on (attention: attend's splits to the output projection; mlp: the hidden row
+// to the down projection), by three
 // counters the layer keeps zeroed between launches. sync[0] hands out tickets in the order blocks start, so the
 // first tickets, the producers, all run before any block waits: no deadlock, whatever order the GPU starts
 // blocks in and however few fit at once. sync[1] counts producers done, sync[2] blocks done; the last block out
@@ -440,23 +443,21 @@ __device__ __forceinline__ void attend_split(int blk, int nblk, int splits, cons
   }
 }
 
-// The output projection of the merged attention plus the residual, y = x + (attention W^T) in T, for block
-// `blk`: its NW warps' R rows each. `ready()` runs once the block has asked for its rows, before it reads part:
-// 0, or NaN when the attention never came (the output then says so).
-template <typename T, int NW, int B0, int G0, int R, int U, int D, bool Q8, class Ready>
-__device__ __forceinline__ void project_attention(int blk, const float* part, int splits, int hq, const void* w0,
-                                                  const T* s0, const T* b0, const T* x, int n, T* y, float* xs,
-                                                  Ready ready) {
-  const int k = hq * D, lane = threadIdx.x & 31, row0 = (blk * NW + threadIdx.x / 32) * R;
+// A projection plus the residual, y = res + (row W^T) in T, for block `blk`: its NW warps' R rows each of the
+// matrix (n rows of k inputs). `stage()` puts the row in xs once the block has asked for its rows, and returns 0,
+// or NaN when its input never came (a handoff that failed: the output then says so).
+template <typename T, int NW, int B0, int G0, int R, int U, bool Q8, class Stage>
+__device__ __forceinline__ void project(int blk, int k, const void* w0, const T* s0, const T* b0, const T* res, int n,
+                                        T* y, float* xs, Stage stage) {
+  const int lane = threadIdx.x & 31, row0 = (blk * NW + threadIdx.x / 32) * R;
   const uint32_t* wr[R];
   const T* sr[R];
   const T* br[R];
   float acc[R];
   for (int r = 0; r < R; ++r) row_ptrs<T, B0, G0>(w0, s0, b0, k, min(row0 + r, n - 1), wr[r], sr[r], br[r]);
   if (row0 < n) prefetch<R, U>(wr, k * B0 / 32);
-  const float bad = ready();
-  stage_attention<T, D>(part, splits, hq, xs, xs + pad(k) + 4);
-  if constexpr (Q8) quantize_row(xs, k);            // where the split weights were
+  const float bad = stage();
+  if constexpr (Q8) quantize_row(xs, k);
   if (row0 >= n) return;
   if ((((uintptr_t)w0) & 15) == 0) dot_row<Q8, true, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
   else dot_row<Q8, false, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
@@ -464,7 +465,39 @@ __device__ __forceinline__ void project_attention(int blk, const float* part, in
     float v = acc[0];
     #pragma unroll
     for (int r = 1; r < R; ++r) if (lane == r) v = acc[r];
-    y[row0 + lane] = ::ref_gemv::from_float<T>(to_float(x[row0 + lane]) + rnd<T>(v) + bad);
+    y[row0 + lane] = ::ref_gemv::from_float<T>(to_float(res[row0 + lane]) + rnd<T>(v) + bad);
+  }
+}
+
+// Norm, then the MLP's gate and up projections for block `blk`: y = silu(x Wg^T) * (x Wu^T) (n rows of k inputs
+// each), with MLX's roundings to T (gate, up, sigmoid, silu, product). A warp reads R rows of each matrix.
+template <typename T, int NW, int B0, int G0, int R, int U, bool Q8>
+__device__ __forceinline__ void gate_up(int blk, const T* x, const T* nw, float eps, int k, const void* w0,
+                                        const T* s0, const T* b0, const void* w1, const T* s1, const T* b1, int n,
+                                        T* y, float* xs) {
+  const int lane = threadIdx.x & 31, row0 = (blk * NW + threadIdx.x / 32) * R;
+  const uint32_t* wr[2 * R];
+  const T* sr[2 * R];
+  const T* br[2 * R];
+  float acc[2 * R];
+  for (int r = 0; r < R; ++r) {
+    const int row = min(row0 + r, n - 1);
+    row_ptrs<T, B0, G0>(w0, s0, b0, k, row, wr[r], sr[r], br[r]);
+    row_ptrs<T, B0, G0>(w1, s1, b1, k, row, wr[R + r], sr[R + r], br[R + r]);
+  }
+  if (row0 < n) prefetch<2 * R, U>(wr, k * B0 / 32);
+  stage_norm<T>(x, nw, eps, k, xs);
+  if constexpr (Q8) quantize_row(xs, k);
+  if (row0 >= n) return;
+  if (((((uintptr_t)w0) | ((uintptr_t)w1)) & 15) == 0) dot_row<Q8, true, T, B0, G0, 2 * R, U>(xs, k, wr, sr, br, acc);
+  else dot_row<Q8, false, T, B0, G0, 2 * R, U>(xs, k, wr, sr, br, acc);
+  if (lane < R && row0 + lane < n) {
+    float g = acc[0], u = acc[R];
+    #pragma unroll
+    for (int r = 1; r < R; ++r) if (lane == r) { g = acc[r]; u = acc[R + r]; }
+    g = rnd<T>(g);
+    const float sig = rnd<T>(1.0f / (1.0f + expf(-g)));
+    y[row0 + lane] = ::ref_gemv::from_float<T>(rnd<T>(g * sig) * rnd<T>(u));
   }
 }
 
@@ -550,11 +583,14 @@ ATTEND = r"""
                                                  pos[0] + 1, scale[0], w0, wbytes, s0, b0, sbytes, part, xs);
 """
 
-# The splits merged, the output projection, the residual (project_attention in the header)
+# The splits merged, the output projection, the residual: y = x + (attention W^T), each in T
 ATTN_OUT = r"""
   extern __shared__ float xs[];
-  ::ref_layer::project_attention<T, NW, B0, G0, R, U, D, Q8>(blockIdx.x, part, part_shape[0], part_shape[1], w0, s0, b0,
-                                                             x, x_shape[2], y, xs, [] { return 0.0f; });
+  const int splits = part_shape[0], hq = part_shape[1], k = hq * D;
+  ::ref_layer::project<T, NW, B0, G0, R, U, Q8>(blockIdx.x, k, w0, s0, b0, x, x_shape[2], y, xs, [&] {
+    ::ref_layer::stage_attention<T, D>(part, splits, hq, xs, xs + ::ref_layer::pad(k) + 4);   // then int8 there
+    return 0.0f;
+  });
 """
 
 # attend and attn_out in one launch: the first blocks to start (tickets, in the header) attend with NA warps, the
@@ -571,67 +607,50 @@ ATTENTION = r"""
                                                    wbytes, s0, b0, sbytes, part, xs);
     ::ref_layer::arrive(counters);
   } else {
-    ::ref_layer::project_attention<T, NW, B0, G0, R, U, D, Q8>(t - na, part, na / hkv, hq, w0, s0, b0, x, n, y, xs,
-                                                               [&] { return ::ref_layer::wait_for(counters, na); });
+    ::ref_layer::project<T, NW, B0, G0, R, U, Q8>(t - na, hq * D, w0, s0, b0, x, n, y, xs, [&] {
+      const float bad = ::ref_layer::wait_for(counters, na);
+      ::ref_layer::stage_attention<T, D>(part, na / hkv, hq, xs, xs + ::ref_layer::pad(hq * D) + 4);
+      return bad;
+    });
   }
   ::ref_layer::depart(counters);
 """
 
-# Norm, then the MLP's gate and up projections: y = silu(x Wg^T) * (x Wu^T), with MLX's roundings to T
-# (gate, up, sigmoid, silu, product). A warp reads R rows of each matrix.
+# Norm, then the MLP's gate and up projections (gate_up in the header)
 MLP_IN = r"""
   extern __shared__ float xs[];
-  const int k = nw_shape[0], n = w0_shape[0];
-  const int lane = threadIdx.x & 31, row0 = (blockIdx.x * NW + threadIdx.x / 32) * R;
-  const uint32_t* wr[2 * R];
-  const T* sr[2 * R];
-  const T* br[2 * R];
-  float acc[2 * R];
-  for (int r = 0; r < R; ++r) {
-    const int row = min(row0 + r, n - 1);
-    ::ref_layer::row_ptrs<T, B0, G0>(w0, s0, b0, k, row, wr[r], sr[r], br[r]);
-    ::ref_layer::row_ptrs<T, B0, G0>(w1, s1, b1, k, row, wr[R + r], sr[R + r], br[R + r]);
-  }
-  if (row0 < n) ::ref_layer::prefetch<2 * R, U>(wr, k * B0 / 32);
-  ::ref_layer::stage_norm<T>(x, nw, eps[0], k, xs);
-  if constexpr (Q8) ::ref_layer::quantize_row(xs, k);
-  if (row0 >= n) return;
-  if (((((uintptr_t)w0) | ((uintptr_t)w1)) & 15) == 0)
-    ::ref_layer::dot_row<Q8, true, T, B0, G0, 2 * R, U>(xs, k, wr, sr, br, acc);
-  else ::ref_layer::dot_row<Q8, false, T, B0, G0, 2 * R, U>(xs, k, wr, sr, br, acc);
-  if (lane < R && row0 + lane < n) {
-    float g = acc[0], u = acc[R];
-    #pragma unroll
-    for (int r = 1; r < R; ++r) if (lane == r) { g = acc[r]; u = acc[R + r]; }
-    g = ::ref_layer::rnd<T>(g);
-    const float sig = ::ref_layer::rnd<T>(1.0f / (1.0f + expf(-g)));
-    y[row0 + lane] = ::ref_gemv::from_float<T>(::ref_layer::rnd<T>(g * sig) * ::ref_layer::rnd<T>(u));
-  }
+  ::ref_layer::gate_up<T, NW, B0, G0, R, U, Q8>(blockIdx.x, x, nw, eps[0], nw_shape[0], w0, s0, b0, w1, s1, b1,
+                                                w0_shape[0], y, xs);
 """
 
 # The down projection plus the residual: y = h + (a W^T), each in T
 MLP_OUT = r"""
   extern __shared__ float xs[];
-  const int k = a_shape[2], n = h_shape[2];
-  const int lane = threadIdx.x & 31, row0 = (blockIdx.x * NW + threadIdx.x / 32) * R;
-  const uint32_t* wr[R];
-  const T* sr[R];
-  const T* br[R];
-  float acc[R];
-  for (int r = 0; r < R; ++r)
-    ::ref_layer::row_ptrs<T, B0, G0>(w0, s0, b0, k, min(row0 + r, n - 1), wr[r], sr[r], br[r]);
-  if (row0 < n) ::ref_layer::prefetch<R, U>(wr, k * B0 / 32);
-  ::ref_layer::stage_row<T>(a, k, xs);
-  if constexpr (Q8) ::ref_layer::quantize_row(xs, k);
-  if (row0 >= n) return;
-  if ((((uintptr_t)w0) & 15) == 0) ::ref_layer::dot_row<Q8, true, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
-  else ::ref_layer::dot_row<Q8, false, T, B0, G0, R, U>(xs, k, wr, sr, br, acc);
-  if (lane < R && row0 + lane < n) {
-    float v = acc[0];
-    #pragma unroll
-    for (int r = 1; r < R; ++r) if (lane == r) v = acc[r];
-    y[row0 + lane] = ::ref_gemv::from_float<T>(::ref_layer::to_float(h[row0 + lane]) + ::ref_layer::rnd<T>(v));
+  const int k = a_shape[2];
+  ::ref_layer::project<T, NW, B0, G0, R, U, Q8>(blockIdx.x, k, w0, s0, b0, h, h_shape[2], y, xs, [&] {
+    ::ref_layer::stage_row<T>(a, k, xs);
+    return 0.0f;
+  });
+"""
+
+# mlp_in and mlp_out in one launch, as attention hands over: the first blocks to start compute the hidden row a
+# (gate and up in B0/G0, U loads in flight, Q8), the rest the down projection (B1/G1, UD, Q8D) once all of a is in
+MLP = r"""
+  extern __shared__ float xs[];
+  int* counters = const_cast<int*>(sync);
+  const int k = nw_shape[0], f = w0_shape[0], na = (f + NW * R - 1) / (NW * R);
+  const int t = ::ref_layer::ticket(counters);
+  if (t < na) {
+    ::ref_layer::gate_up<T, NW, B0, G0, R, U, Q8>(t, x, nw, eps[0], k, w0, s0, b0, w1, s1, b1, f, a, xs);
+    ::ref_layer::arrive(counters);
+  } else {
+    ::ref_layer::project<T, NW, B1, G1, R, UD, Q8D>(t - na, f, w2, s2, b2, x, k, y, xs, [&] {
+      const float bad = ::ref_layer::wait_for(counters, na);
+      ::ref_layer::stage_row<T>(a, f, xs);
+      return bad;
+    });
   }
+  ::ref_layer::depart(counters);
 """
 
 # kernel -> (input names, output names, body); a matrix is w (codes or dense), s, b (scales and biases:
@@ -644,4 +663,5 @@ SOURCES = {
     "attention": (["q", "kc", "vc", "pos", "scale", "w0", "s0", "b0", "x", "sync"], ["part", "y"], ATTENTION),
     "mlp_in": (["x", "nw", "eps", "w0", "s0", "b0", "w1", "s1", "b1"], ["y"], MLP_IN),
     "mlp_out": (["a", "w0", "s0", "b0", "h"], ["y"], MLP_OUT),
+    "mlp": (["x", "nw", "eps", "w0", "s0", "b0", "w1", "s1", "b1", "w2", "s2", "b2", "sync"], ["a", "y"], MLP),
 }

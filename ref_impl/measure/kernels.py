@@ -228,7 +228,7 @@ def layer_kernel_ms(model: Model, context: int, passes: int = 4) -> dict[str, tu
     """Per fused-layer kernel (kernels/fusedlayer.py), (ms per token, bytes per token): the kernel of every fused
     layer queued `passes` times in one mx.eval, the graph built first (patching.time_calls), so the time is the
     GPU's; the inputs come from one fused step at position `context`. Bytes: the weights and norms it reads.
-    attend and attn_out are timed apart too where the layers merge them (attention), to show each one's share."""
+    A pair's kernels are timed apart too where the layers merge them (fusedlayer.PAIRS), to show each one's share."""
     layers = [b for b in model.layers if isinstance(b, fusedlayer.FusedLayer) and b.on]
     caches = model.make_cache(context + 2)
     for c in caches:
@@ -238,23 +238,25 @@ def layer_kernel_ms(model: Model, context: int, passes: int = 4) -> dict[str, tu
     outs = [b.step(x, c) for b, c in zip(layers, caches)]
     mx.eval(outs)
 
-    def attention(b: fusedlayer.FusedLayer, c, o: tuple) -> Callable[[mx.array], object]:
+    def handoff(b: fusedlayer.FusedLayer, pair: str, *args) -> Callable[[mx.array], object]:
         # the calls queued in one graph may run at once, so each of a pass's calls has its own handoff counters
         counters = [mx.zeros((3,), dtype=mx.int32) for _ in range(passes)]
         mx.eval(counters)
         turn = itertools.cycle(counters)
-        return lambda _: b.stages["attention"](o[0], c, at, x, next(turn))
+        return lambda _: b.stages[pair](*args, next(turn))
 
     calls = {
         "attn_in": [lambda _, b=b, c=c: b.stages["attn_in"](x, c, at) for b, c in zip(layers, caches)],
         "attend": [lambda _, b=b, c=c, o=o: b.stages["attend"](o[0], c, at) for b, c, o in zip(layers, caches, outs)],
         "attn_out": [lambda _, b=b, o=o: b.stages["attn_out"](o[1], x) for b, o in zip(layers, outs)],
-        "attention": [attention(b, c, o) for b, c, o in zip(layers, caches, outs)],
+        "attention": [handoff(b, "attention", o[0], c, at, x) for b, c, o in zip(layers, caches, outs)],
         "mlp_in": [lambda _, b=b, o=o: b.stages["mlp_in"](o[2]) for b, o in zip(layers, outs)],
         "mlp_out": [lambda _, b=b, o=o: b.stages["mlp_out"](o[3], o[2]) for b, o in zip(layers, outs)],
+        "mlp": [handoff(b, "mlp", o[2]) for b, o in zip(layers, outs)],
     }
-    if not layers[0].plan.merged:
-        del calls["attention"]
+    for pair in fusedlayer.PAIRS:
+        if pair not in layers[0].plan.merged:
+            del calls[pair]
     per_call, _, errors = kernels.time_calls(calls, x, passes)
     if errors:
         raise RuntimeError(f"fused-layer kernels failed: {errors}")

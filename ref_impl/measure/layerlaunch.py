@@ -43,22 +43,26 @@ class Setting:
     rows_per_warp: int | None = None
     keys_per_split: int | None = None
     prefetch: bool | None = None     # attend prefetches attn_out's matrix into L2 (fusedlayer.PREFETCH)
-    merge: bool | None = None        # attend and attn_out as one launch, attention (fusedlayer.MERGE)
+    merge: tuple[str, ...] | None = None   # the kernel pairs run as one launch each (fusedlayer.MERGE)
     int8: bool = False               # quantized matrices meet int8 activations (FusedLayer.switch)
 
     @property
     def changed(self) -> dict:
         """What the setting changes, as the records keep it ({} for the defaults)."""
         out = {"warps": dict(self.warps), "unroll": dict(self.unroll), "rows_per_warp": self.rows_per_warp,
-               "keys_per_split": self.keys_per_split, "prefetch": self.prefetch, "merge": self.merge,
+               "keys_per_split": self.keys_per_split, "prefetch": self.prefetch,
+               "merge": None if self.merge is None else list(self.merge),
                "int8": self.int8 or None}
         return {k: v for k, v in out.items() if v not in ({}, None)}
 
     @property
     def label(self) -> str:
-        """"defaults", or the changes: "warps attn_out=16; unroll attn_in=2"."""
-        parts = [f"{k} " + (", ".join(f"{n}={x}" for n, x in v.items()) if isinstance(v, dict) else str(v))
-                 for k, v in self.changed.items()]
+        """"defaults", or the changes: "warps attn_out=16; unroll attn_in=2; merge mlp" ("merge none": no pair)."""
+        def text(v) -> str:
+            if isinstance(v, dict):
+                return ", ".join(f"{n}={x}" for n, x in v.items())
+            return (", ".join(v) or "none") if isinstance(v, list) else str(v)
+        parts = [f"{k} {text(v)}" for k, v in self.changed.items()]
         return "; ".join(parts) or "defaults"
 
 
@@ -101,7 +105,7 @@ def launch_fields(quantized: bool) -> dict:
     """The launch tables as they stand, for a dense or quantized model: what a record says ran."""
     return {"warps": dict(fusedlayer.WARPS), "unroll": {k: v[int(quantized)] for k, v in fusedlayer.UNROLL.items()},
             "rows_per_warp": fusedlayer.ROWS_PER_WARP, "keys_per_split": fusedlayer.KEYS_PER_SPLIT,
-            "prefetch": fusedlayer.PREFETCH, "merge": fusedlayer.MERGE}
+            "prefetch": fusedlayer.PREFETCH, "merge": list(fusedlayer.MERGE)}
 
 
 def mix_model(weights: str, shape: str = "Llama-3.1-8B", layers: int | None = None, seed: int = 0) -> Model:
