@@ -1124,7 +1124,7 @@ def test_merged_pairs_hand_over_on_their_own_counters():
     never see the first half's blocks arrive give NaN (after ~a second) instead of a hung GPU, and are zero after."""
     model = layer_model(4096, 32, 8, 14336, "q4q8")
     assert fusedlayer.fuse(model) == {}
-    layer, st = model.layers[0], model.layers[0].stages
+    st = model.layers[0].stages
     cache = model.make_cache(300)[0]
     cache.offset = 257
     x = (mx.random.normal((1, 1, 4096), key=mx.random.key(1))).astype(mx.float16)
