@@ -1020,6 +1020,16 @@ def test_fused_layer_sources_match_their_inputs():
         for arg in inputs + outputs:
             assert re.search(rf"\b{arg}\b", body), (name, arg)
     assert "ref_gemv" in fusedlayer_cuda.HEADER and "namespace ref_layer" in fusedlayer_cuda.HEADER
+    # each kernel carries the header parts it calls, and fewer than all of them
+    defined = lambda text: set(re.findall(r"__device__ __forceinline__ \w+ (\w+)\(", text))
+    for name, (_, _, body) in fusedlayer_cuda.SOURCES.items():
+        text = fusedlayer_cuda.header(fusedlayer_cuda.NEEDS[name])
+        assert set(re.findall(r"::ref_layer::(\w+)", body)) <= defined(text), name
+        assert len(text) < len(fusedlayer_cuda.HEADER), name
+    every = defined(fusedlayer_cuda.HEADER)
+    for name, parts in fusedlayer_cuda.NEEDS.items():   # and every function its parts call
+        text = fusedlayer_cuda.header(parts)
+        assert set(re.findall(r"\b(\w+)(?:<[^<>()]*>)?\(", text)) & every <= defined(text), name
 
 
 class FakeStep:

@@ -49,7 +49,7 @@ from ref_impl.engine.kvcache import KVCache
 from ref_impl.engine.model import Model, TransformerBlock
 from ref_impl.engine.moe import MoE
 from ref_impl.kernels.cuda import minified
-from ref_impl.kernels.fusedlayer_cuda import HEADER, SOURCES
+from ref_impl.kernels.fusedlayer_cuda import NEEDS, SOURCES, header
 from ref_impl.kernels.launch import DTYPES, Format, dtype_name
 from ref_impl.kernels.layers import GEMVLinear, format_of, on_cuda
 from ref_impl.platform.timing import clock, median
@@ -58,6 +58,7 @@ KERNELS = tuple(SOURCES)
 # the kernel pairs run as one launch, each a launch fewer a layer (~30 us of host time): name -> (first, second)
 PAIRS = {"attention": ("attend", "attn_out"), "mlp": ("mlp_in", "mlp_out")}
 MERGE = tuple(PAIRS)    # the pairs merged by default
+STAGES = tuple(k for k in KERNELS if k not in PAIRS)   # the five kernels of a layer's step, merged or not
 # warps per block: a block stages its input row once for all its warps, so more warps share that cost, but
 # blocks that do not all fit at once leave SMs idle in the last wave. Each kernel's GPU time per call on the
 # H200, 8B shapes, 4-bit ("kernel-profile" records, results/h200-20261202-042500.json): attn_out 19.6 us with 8 warps,
@@ -100,10 +101,10 @@ def kernel(name: str, shared: int):
     not meet an old build, and the shared bytes, since MLX raises a kernel's shared-memory limit only at its
     first launch."""
     inputs, outputs, body = SOURCES[name]
-    header = minified(HEADER)
-    digest = hashlib.sha1((header + body).encode()).hexdigest()[:10]
+    text = minified(header(NEEDS[name]))
+    digest = hashlib.sha1((text + body).encode()).hexdigest()[:10]
     return mx.fast.cuda_kernel(name=f"ref_layer_{name}_{digest}_{shared}", input_names=inputs, output_names=outputs,
-                               source=body, header=header, shared_memory=shared)
+                               source=body, header=text, shared_memory=shared)
 
 
 def matrix(layer: nn.Module) -> tuple[Format | None, tuple[mx.array, ...]]:

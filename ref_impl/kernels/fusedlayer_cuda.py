@@ -14,11 +14,14 @@ See chapter: dispatch-kernel
 from __future__ import annotations
 
 from ref_impl.kernels.cuda import HEADER as GEMV_HEADER
+from ref_impl.kernels.attend_cuda import ATTEND
+from ref_impl.kernels.handoff_cuda import HANDOFF
 from ref_impl.kernels.int8_cuda import INT8
 
-HEADER = GEMV_HEADER + r"""
-namespace ref_layer {
-
+# The header in parts, in the order they build on each other; a kernel's source carries the parts it uses
+# (`header`): MLX copies and hashes a kernel's whole source at every launch, on the host.
+PARTS = {
+    "base": r"""
 using ::ref_gemv::to_float;
 using ::ref_gemv::from_float;
 using ::ref_gemv::warp_sum;
@@ -45,7 +48,8 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// The values of one 32-bit word of a row: 8 4-bit codes, 4 8-bit codes or 2 16-bit floats
+""",
+    "matrix": r"""// The values of one 32-bit word of a row: 8 4-bit codes, 4 8-bit codes or 2 16-bit floats
 template <typename T, int BITS>
 __device__ __forceinline__ void word_values(uint32_t v, float (&q)[32 / BITS]) {
   if constexpr (BITS == 16) {
@@ -162,21 +166,8 @@ __device__ __forceinline__ void prefetch(const uint32_t* const (&w)[RW], int wor
   }
 }
 
-// This thread's share of an array moved into L2 ahead of its reader, the grid's nth threads splitting its bytes
-// in whole 256-byte pieces: on sm_90 one bulk prefetch (the copy engine fetches it), elsewhere a line at a time
-__device__ __forceinline__ void prefetch_l2(const void* p, int64_t bytes, int64_t tid, int64_t nth) {
-  const int64_t slice = ((bytes + nth - 1) / nth + 255) & ~int64_t(255), at = tid * slice;
-  if (at >= bytes) return;
-  const char* a = static_cast<const char*>(p) + at;
-  const int64_t len = min(slice, bytes - at);
-#if __CUDA_ARCH__ >= 900
-  if (len >= 16) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(a), "r"((uint32_t)(len & ~int64_t(15))) : "memory");
-#else
-  for (int64_t o = 0; o < len; o += 128) asm volatile("prefetch.global.L2 [%0];" :: "l"(a + o));
-#endif
-}
-
-// The block stages RMSNorm(x) * w (k values, k a multiple of 8) in xs, as MLX rounds it: x * rsqrt(mean(x^2) +
+""",
+    "stage_norm": r"""// The block stages RMSNorm(x) * w (k values, k a multiple of 8) in xs, as MLX rounds it: x * rsqrt(mean(x^2) +
 // eps) to T, times w to T. Aligned inputs are read 16 bytes (8 values) at a time.
 template <typename T>
 __device__ __forceinline__ void stage_norm(const T* x, const T* w, float eps, int k, float* xs) {
@@ -211,7 +202,8 @@ __device__ __forceinline__ void stage_norm(const T* x, const T* w, float eps, in
   __syncthreads();
 }
 
-// The block stages a row of k values of T (2 bytes each, k a multiple of 8) in xs, read from L2 (__ldcg): in the
+""",
+    "stage_row": r"""// The block stages a row of k values of T (2 bytes each, k a multiple of 8) in xs, read from L2 (__ldcg): in the
 // merged MLP other blocks of the same launch wrote it, and this SM's L1 may not know
 template <typename T>
 __device__ __forceinline__ void stage_row(const T* a, int k, float* xs) {
@@ -228,7 +220,8 @@ __device__ __forceinline__ void stage_row(const T* a, int k, float* xs) {
   __syncthreads();
 }
 
-// The block stages the attention output (heads x D values) from the key-length splits' partial results
+""",
+    "stage_attention": r"""// The block stages the attention output (heads x D values) from the key-length splits' partial results
 // part (splits, heads, D + 2): per split and head, sum_j exp(s_j - m) v_j, then m and sum_j exp(s_j - m).
 // First each warp turns a head's maxima and sums into each split's weight (wts, heads x splits floats of
 // shared memory), then every value is one weighted sum over the splits. part is read from L2 (__ldcg): in the
@@ -260,190 +253,10 @@ __device__ __forceinline__ void stage_attention(const float* part, int splits, i
   __syncthreads();
 }
 
-// E consecutive values of T (one lane's share of a head) as floats
-template <typename T, int E>
-__device__ __forceinline__ void load_head(const T* p, float (&f)[E]) {
-  if constexpr (E % 2 == 0) {
-    const uint32_t* u = reinterpret_cast<const uint32_t*>(p);
-    #pragma unroll
-    for (int i = 0; i < E / 2; ++i) {
-      const float2 v = ::ref_gemv::to_float2<T>(u[i]);
-      f[2 * i] = v.x;
-      f[2 * i + 1] = v.y;
-    }
-  } else {
-    #pragma unroll
-    for (int i = 0; i < E; ++i) f[i] = to_float(p[i]);
-  }
-}
-
-// One launch whose blocks hand work on (attention: attend's splits to the output projection; mlp: the hidden row
-// to the down projection), by three
-// counters the layer keeps zeroed between launches. sync[0] hands out tickets in the order blocks start, so the
-// first tickets, the producers, all run before any block waits: no deadlock, whatever order the GPU starts
-// blocks in and however few fit at once. sync[1] counts producers done, sync[2] blocks done; the last block out
-// zeroes all three. (A grid-wide barrier in the manner of cooperative groups' grid.sync, without its launch.)
-__device__ __forceinline__ int ticket(int* sync) {
-  __shared__ int t;
-  if (threadIdx.x == 0) t = atomicAdd(sync, 1);
-  __syncthreads();
-  return t;
-}
-
-// A producer's writes, made visible to the whole GPU, then counted
-__device__ __forceinline__ void arrive(int* sync) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(sync + 1, 1);
-  }
-}
-
-// Waits for `count` producers: 0, or NaN once ~a second has passed without them (a broken handoff then shows
-// in the layer's output instead of hanging the GPU)
-__device__ __forceinline__ float wait_for(int* sync, int count) {
-  __shared__ float bad;
-  if (threadIdx.x == 0) {
-    int seen = 0, spins = 0;
-    for (; spins < (1 << 20); ++spins) {
-      asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(sync + 1) : "memory");
-      if (seen >= count) break;
-      __nanosleep(32);
-    }
-    bad = seen >= count ? 0.0f : __int_as_float(0x7fc00000);
-    __threadfence();
-  }
-  __syncthreads();
-  return bad;
-}
-
-__device__ __forceinline__ void depart(int* sync) {
-  if (threadIdx.x == 0 && atomicAdd(sync + 2, 1) == (int)gridDim.x - 1) {
-    sync[0] = 0;
-    sync[1] = 0;
-    sync[2] = 0;
-  }
-}
-
-// Decode attention over the cache, split over the key length: block `blk` of `nblk` (key head, split) reads the
-// keys and values of its share of the n positions once for the G query heads of that key head (grouped-query
-// attention). Its first NA warps take 8 keys at a time, 4 lanes a key: each lane dots a quarter of its key with
-// the G queries (staged in shared memory, scaled), two shuffles add the quarters, and an online softmax over the
-// 8 keys updates the lane's share of each head's output (dims lane*E.., the 8 keys' weights passed by shuffles).
-// Then the block merges those warps into part[split, head] = (sum exp(s - m) v, m, sum exp(s - m)).
-// PF: the blocks first move the output projection's matrix (w0, s0, b0) into L2, for its reader next.
-template <typename T, int NA, int B0, int D, int G, bool PF>
-__device__ __forceinline__ void attend_split(int blk, int nblk, int splits, const T* q, const T* kc, const T* vc,
-                                             int cap, int n, float scale, const void* w0, int64_t wbytes,
-                                             const T* s0, const T* b0, int64_t sbytes, float* part, float* xs) {
-  constexpr int E = D / 32, LK = 4, KS = 32 / LK, SD = D / LK, QROW = SD + 4;   // a quarter, padded: no conflicts
-  const int hk = blk / splits, sp = blk % splits, hq = nblk / splits * G;
-  const int per = (n + splits - 1) / splits, j0 = sp * per, j1 = min(n, j0 + per);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, quarter = lane % LK, mykey = lane / LK;
-  if constexpr (PF) {
-    const int64_t tid = (int64_t)blk * blockDim.x + threadIdx.x, nth = (int64_t)nblk * blockDim.x;
-    prefetch_l2(w0, wbytes, tid, nth);
-    if constexpr (B0 != 16) {
-      prefetch_l2(s0, sbytes, tid, nth);
-      prefetch_l2(b0, sbytes, tid, nth);
-    }
-  }
-  float* qs = xs + ((NA * G * (D + 2) + 3) & ~3);   // after the warps' partial results, 16-byte aligned
-  for (int t = threadIdx.x; t < G * D; t += blockDim.x) {
-    const int g = t / D, d = t % D;
-    qs[(g * LK + d / SD) * QROW + d % SD] = to_float(q[(int64_t)hk * G * D + t]) * scale;
-  }
-  __syncthreads();
-  const bool al = ((uintptr_t)kc & 15) == 0;
-  float m[G], l[G], acc[G][E];
-  #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    m[g] = neg_inf();
-    l[g] = 0.0f;
-    #pragma unroll
-    for (int e = 0; e < E; ++e) acc[g][e] = 0.0f;
-  }
-  for (int j = j0 + warp * KS; warp < NA && j < j1; j += NA * KS) {
-    const bool valid = j + mykey < j1;
-    const T* kr = kc + ((int64_t)hk * cap + min(j + mykey, j1 - 1)) * D + quarter * SD;   // past the end: re-read
-    uint4 kw[SD / 8];
-    #pragma unroll
-    for (int c = 0; c < SD / 8; ++c)
-      kw[c] = al ? ::ref_gemv::load_x16<true>(kr + 8 * c) : ::ref_gemv::load_x16<false>(kr + 8 * c);
-    float vv[KS][E];                                 // the 8 keys' values, this lane's dims
-    #pragma unroll
-    for (int b = 0; b < KS; ++b) load_head<T, E>(vc + ((int64_t)hk * cap + min(j + b, j1 - 1)) * D + lane * E, vv[b]);
-    float sc[G];
-    #pragma unroll
-    for (int g = 0; g < G; ++g) sc[g] = 0.0f;
-    #pragma unroll
-    for (int c = 0; c < SD / 8; ++c) {
-      float kf[8];
-      ::ref_gemv::unpack<T>(kw[c], kf);
-      #pragma unroll
-      for (int g = 0; g < G; ++g) {
-        const float4* qp = reinterpret_cast<const float4*>(qs + (g * LK + quarter) * QROW + 8 * c);
-        const float4 a = qp[0], b = qp[1];
-        sc[g] = fmaf(kf[0], a.x, fmaf(kf[1], a.y, fmaf(kf[2], a.z, fmaf(kf[3], a.w, sc[g]))));
-        sc[g] = fmaf(kf[4], b.x, fmaf(kf[5], b.y, fmaf(kf[6], b.z, fmaf(kf[7], b.w, sc[g]))));
-      }
-    }
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      float s = sc[g] + __shfl_xor_sync(0xFFFFFFFFu, sc[g], 1);
-      s += __shfl_xor_sync(0xFFFFFFFFu, s, 2);
-      s = valid ? s : neg_inf();
-      float mx = fmaxf(s, __shfl_xor_sync(0xFFFFFFFFu, s, 4));
-      mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 8));
-      mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 16));
-      const float mn = fmaxf(m[g], mx), corr = expf(m[g] - mn);   // the first key is valid: mn is finite
-      const float p = valid ? expf(s - mn) : 0.0f;
-      l[g] = fmaf(l[g], corr, p);                    // this lane's key's share; summed over keys at the end
-      #pragma unroll
-      for (int e = 0; e < E; ++e) acc[g][e] *= corr;
-      #pragma unroll
-      for (int b = 0; b < KS; ++b) {
-        const float pb = __shfl_sync(0xFFFFFFFFu, p, b * LK);
-        #pragma unroll
-        for (int e = 0; e < E; ++e) acc[g][e] = fmaf(pb, vv[b][e], acc[g][e]);
-      }
-      m[g] = mn;
-    }
-  }
-  #pragma unroll
-  for (int g = 0; g < G; ++g) {                      // the sums over the warp's keys (a key's 4 lanes agree)
-    l[g] += __shfl_xor_sync(0xFFFFFFFFu, l[g], 4);
-    l[g] += __shfl_xor_sync(0xFFFFFFFFu, l[g], 8);
-    l[g] += __shfl_xor_sync(0xFFFFFFFFu, l[g], 16);
-  }
-  float* mine = xs + warp * G * (D + 2);
-  if (warp < NA) {
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      #pragma unroll
-      for (int e = 0; e < E; ++e) mine[g * (D + 2) + lane * E + e] = acc[g][e];
-      if (lane == 0) { mine[g * (D + 2) + D] = m[g]; mine[g * (D + 2) + D + 1] = l[g]; }
-    }
-  }
-  __syncthreads();
-  for (int t = threadIdx.x; t < G * (D + 1); t += blockDim.x) {
-    const int g = t / (D + 1), e = t % (D + 1);      // e == D: the row's max and sum
-    float mx = neg_inf();
-    for (int w = 0; w < NA; ++w) mx = fmaxf(mx, xs[(w * G + g) * (D + 2) + D]);
-    float v = 0.0f, s = 0.0f;
-    for (int w = 0; w < NA; ++w) {
-      const float* o = xs + (w * G + g) * (D + 2);
-      const float f = o[D] == neg_inf() ? 0.0f : expf(o[D] - mx);
-      v = fmaf(f, e < D ? o[e] : 0.0f, v);
-      s = fmaf(f, o[D + 1], s);
-    }
-    float* out = part + ((int64_t)sp * hq + hk * G + g) * (D + 2);
-    if (e < D) out[e] = v;
-    else { out[D] = mx; out[D + 1] = s; }
-  }
-}
-
-// A projection plus the residual, y = res + (row W^T) in T, for block `blk`: its NW warps' R rows each of the
+""",
+    "attend": ATTEND,
+    "handoff": HANDOFF,
+    "project": r"""// A projection plus the residual, y = res + (row W^T) in T, for block `blk`: its NW warps' R rows each of the
 // matrix (n rows of k inputs). `stage()` puts the row in xs once the block has asked for its rows, and returns 0,
 // or NaN when its input never came (a handoff that failed: the output then says so).
 template <typename T, int NW, int B0, int G0, int R, int U, bool Q8, class Stage>
@@ -469,7 +282,8 @@ __device__ __forceinline__ void project(int blk, int k, const void* w0, const T*
   }
 }
 
-// Norm, then the MLP's gate and up projections for block `blk`: y = silu(x Wg^T) * (x Wu^T) (n rows of k inputs
+""",
+    "gate_up": r"""// Norm, then the MLP's gate and up projections for block `blk`: y = silu(x Wg^T) * (x Wu^T) (n rows of k inputs
 // each), with MLX's roundings to T (gate, up, sigmoid, silu, product). A warp reads R rows of each matrix.
 template <typename T, int NW, int B0, int G0, int R, int U, bool Q8>
 __device__ __forceinline__ void gate_up(int blk, const T* x, const T* nw, float eps, int k, const void* w0,
@@ -501,8 +315,28 @@ __device__ __forceinline__ void gate_up(int blk, const T* x, const T* nw, float 
   }
 }
 
-}  // namespace ref_layer
-"""
+""",
+}
+
+# each kernel's parts (the base and the matrix helpers for every kernel that multiplies by a matrix)
+NEEDS = {
+    "attn_in": ("base", "matrix", "stage_norm"),
+    "attend": ("base", "attend"),
+    "attn_out": ("base", "matrix", "stage_attention", "project"),
+    "attention": ("base", "matrix", "stage_attention", "attend", "handoff", "project"),
+    "mlp_in": ("base", "matrix", "stage_norm", "gate_up"),
+    "mlp_out": ("base", "matrix", "stage_row", "project"),
+    "mlp": ("base", "matrix", "stage_norm", "stage_row", "handoff", "project", "gate_up"),
+}
+
+
+def header(parts) -> str:
+    """The CUDA header of some PARTS (in PARTS' order), after cuda.py's GEMV header."""
+    return GEMV_HEADER + "namespace ref_layer {\n" + "".join(t for p, t in PARTS.items() if p in parts) \
+        + "}  // namespace ref_layer\n"
+
+
+HEADER = header(PARTS)   # every part: what the probes and the chapter show
 
 # Each body runs in the signature MLX generates from fusedlayer.py's input and output names; `xs` is the
 # dynamic shared memory fusedlayer.py sizes. Template constants: T (the activation type), NW (warps per block),
