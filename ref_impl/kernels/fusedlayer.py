@@ -12,10 +12,10 @@ whole layer's decode step as five `mx.fast.cuda_kernel` launches (source in fuse
     mlp_in    RMSNorm, silu(gate) * up
     mlp_out   the down projection, the residual
 
-and by default (MERGE) each pair runs as one launch: `attention` (attend, attn_out) and `mlp` (mlp_in, mlp_out).
-The first blocks of such a launch to start do the first kernel's work, the others wait for them on counters the
-layer keeps (fusedlayer_cuda.py says how that cannot deadlock) and do the second's. So an 8B token is ~100
-primitives. Each kernel reads the weights as the GEMV kernels do (launch.py: 16-byte
+so an 8B token is ~165 primitives. A pair can also run as one launch (MERGE): `attention` (attend, attn_out) or
+`mlp` (mlp_in, mlp_out). The first blocks of such a launch to start do the first kernel's work, the others wait
+for them on counters the layer keeps (handoff_cuda.py says why that cannot deadlock) and do the second's; it
+saves the host a launch, and measured slower on the GPU at the 8B's shape, so none is merged by default. Each kernel reads the weights as the GEMV kernels do (launch.py: 16-byte
 chunks, codes decoded with float tricks, a group's scale and bias applied once per chunk) from an input row
 staged in shared memory, and rounds to the activation type wherever MLX's graph stores an intermediate, so the
 layer computes what the unfused layer computes, up to float32 summation order.
@@ -55,9 +55,12 @@ from ref_impl.kernels.layers import GEMVLinear, format_of, on_cuda
 from ref_impl.platform.timing import clock, median
 
 KERNELS = tuple(SOURCES)
-# the kernel pairs run as one launch, each a launch fewer a layer (~30 us of host time): name -> (first, second)
+# the kernel pairs that can run as one launch, each a launch fewer a layer (~30 us of host time): name -> halves
 PAIRS = {"attention": ("attend", "attn_out"), "mlp": ("mlp_in", "mlp_out")}
-MERGE = tuple(PAIRS)    # the pairs merged by default
+# the pairs merged: none, as measured on an H100 (results/h100-20261206-141335.json, -141600.json, GPU busy ms a
+# token, 4-bit): merged attention 4.62 against 4.45 on the 8B but 1.45 against 1.53 on the 1B; merged mlp 6.41
+# on the 8B (its kernel 127 us against mlp_in's 42 and mlp_out's 27)
+MERGE: tuple[str, ...] = ()
 STAGES = tuple(k for k in KERNELS if k not in PAIRS)   # the five kernels of a layer's step, merged or not
 # warps per block: a block stages its input row once for all its warps, so more warps share that cost, but
 # blocks that do not all fit at once leave SMs idle in the last wave. Each kernel's GPU time per call on the
