@@ -58,7 +58,7 @@ def test_kernel_events_keep_the_device_kernels_only():
 
 def test_the_settings_start_with_todays_defaults():
     assert all(settings[0].label == "defaults" for settings in cupti.SETTINGS.values())
-    assert all({"merge": []} in [s.changed for s in settings] for settings in cupti.SETTINGS.values())
+    assert all({"merge": ["attention"]} in [s.changed for s in settings] for settings in cupti.SETTINGS.values())
 
 
 @pytest.mark.skipif(kernels.on_cuda(), reason="checks the skip off CUDA")

@@ -536,6 +536,9 @@ def test_bench_kernels_quick_flow_with_stand_in_kernels(tmp_path):
     assert (count["native+compiled"] > count["native"] if cuda else count["native+compiled"] < count["native"]), count
     assert not [r for r in records if r["experiment"] == "gemv"]          # quick: no per-matrix sweep
     assert not [r for r in records if isinstance(r["value"], float) and math.isnan(r["value"])]
+    layered = [r for r in records if r["experiment"] == "decode-kernels" and r["variant"].startswith("layers")
+               and r["metric"] == "tokens_per_s"]
+    assert all(r["merged"] == [] for r in layered) and len(layered) == CUDA * 2   # what ran: no pair merged
 
 
 def test_an_untimed_kernel_choice_records_no_time():
@@ -555,14 +558,15 @@ def test_fused_layer_timing_flow_with_stand_in_kernels():
         model = layer_model(256, 8, 2, 512, "q4q8", layers=2)
         assert fusedlayer.fuse(model) == {}
         per = suite.layer_kernel_ms(model, context=20, passes=1)
-        assert list(per) == list(fusedlayer.KERNELS) and all(ms > 0 for ms, _ in per.values())
+        assert list(per) == list(fusedlayer.STAGES) and all(ms > 0 for ms, _ in per.values())
         assert per["attend"][1] == 2 * 2 * 2 * 20 * 32 * 2                  # layers x k,v x heads x keys x D x 2 B
         assert per["mlp_in"][1] > per["attn_out"][1]
-        assert per["attention"][1] == per["attend"][1] + per["attn_out"][1]
-        assert per["mlp"][1] == per["mlp_in"][1] + per["mlp_out"][1]
-        with layerlaunch.applied(layerlaunch.Setting(merge=("mlp",))):
+        with layerlaunch.applied(layerlaunch.Setting(merge=("attention", "mlp"))):   # each pair timed too
             layerlaunch.relaunch(model)
-            assert "attention" not in suite.layer_kernel_ms(model, context=20, passes=1)
+            both = suite.layer_kernel_ms(model, context=20, passes=1)
+        assert list(both) == list(fusedlayer.KERNELS)
+        assert both["attention"][1] == both["attend"][1] + both["attn_out"][1]
+        assert both["mlp"][1] == both["mlp_in"][1] + both["mlp_out"][1]
         layerlaunch.relaunch(model)
         on, ms = fusedlayer.choose(model, rounds=1, tokens=2, context=8)
         assert set(ms) == {"fused", "unfused"} and on == (ms["fused"] < ms["unfused"])
@@ -979,7 +983,10 @@ def test_fused_layer_launches_cover_every_row():
     # attention: attend's blocks (a key head and split each), then attn_out's, in attn_out's block size, with the
     # larger of the two kernels' shared memory; merged while attend's accumulators fit 128 registers a thread.
     # mlp: mlp_in's blocks, then mlp_out's
-    assert plan.merged == ("attention", "mlp") and plan.order() == ("attn_in", "attention", "mlp")
+    assert plan.merged == () and plan.order() == fusedlayer.STAGES    # by default, no pair merged
+    with layerlaunch.applied(layerlaunch.Setting(merge=("attention", "mlp"))):
+        both = fusedlayer.launches(block)
+    assert both.merged == ("attention", "mlp") and both.order() == ("attn_in", "attention", "mlp")
     assert plan.grids["mlp"] == plan.grids["mlp_in"] + plan.grids["mlp_out"] and plan.threads["mlp"] == 8 * 32
     assert plan.shared["mlp"] == plan.shared["mlp_out"] > plan.shared["mlp_in"]
     assert dict(plan.templates["mlp"])["B1"] == 8 and dict(plan.templates["mlp"])["B0"] == 4
@@ -992,12 +999,11 @@ def test_fused_layer_launches_cover_every_row():
     assert dict(plan.templates["attention"])["NA"] == fusedlayer.WARPS["attend"]
     wide = TransformerBlock(replace(args_for("Llama-3.1-8B"), num_key_value_heads=4))   # 8 query heads a key head
     wide.set_dtype(mx.float16)
-    assert fusedlayer.launches(wide).merged == ("mlp",)
-    assert fusedlayer.launches(wide).order() == ("attn_in", "attend", "attn_out", "mlp")
-    with layerlaunch.applied(layerlaunch.Setting(merge=())):
-        assert fusedlayer.launches(block).merged == () and len(fusedlayer.launches(block).order()) == 5
-    with layerlaunch.applied(layerlaunch.Setting(warps={"mlp_out": 16})):
-        assert fusedlayer.launches(block).merged == ("attention",)
+    with layerlaunch.applied(layerlaunch.Setting(merge=("attention", "mlp"))):
+        assert fusedlayer.launches(wide).merged == ("mlp",)
+        assert fusedlayer.launches(wide).order() == ("attn_in", "attend", "attn_out", "mlp")
+        with layerlaunch.applied(layerlaunch.Setting(warps={"mlp_out": 16})):
+            assert fusedlayer.launches(block).merged == ("attention",)
     # int8 activations: the matrix kernels but mlp_out say so, and each holds the row's int8 copy after its floats
     # (a float2 per 16 values, then k bytes in two regions 64 bytes apart); a dense layer has no int8 kernels
     q8 = fusedlayer.launches(block, int8=True)

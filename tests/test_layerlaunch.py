@@ -70,8 +70,7 @@ def test_a_setting_is_measured_as_its_records_say():
         recs = layerlaunch.setting_records(model, Setting(warps={"mlp_in": 4}), fields, context=24, tokens=4)
         assert model.layers[0].plan.threads["mlp_in"] == fusedlayer.WARPS["mlp_in"] * 32
     assert recs[0]["metric"] == "tokens_per_s" and recs[0]["value"] > 0
-    # every kernel, and the pairs merged: attention, not mlp (its halves' warps differ under this setting)
-    assert [r["kernel"] for r in recs[1:]] == [k for k in fusedlayer.KERNELS if k != "mlp"]
+    assert [r["kernel"] for r in recs[1:]] == list(fusedlayer.STAGES)      # no pair merged by default
     assert all(r["variant"] == "warps mlp_in=4" and r["launch"]["warps"]["mlp_in"] == 4 for r in recs)
     assert all(r["changed"] == {"warps": {"mlp_in": 4}} and r["experiment"] == "layer-launch" for r in recs)
     assert all(r["gb_per_s"] == pytest.approx(r["bytes_per_token"] / r["value"] / 1e6) for r in recs[1:])

@@ -78,8 +78,8 @@ def test_a_mix_is_profiled_past_the_warm_up_with_the_sections(monkeypatch, tmp_p
     monkeypatch.setattr(ncu, "run_ncu", fake)
     recs = ncu.weights_records("q4q8", tmp_path, stalls=True, say=lambda msg: None)
     profile, details, sass_profile, sass = calls
-    # 2 steps x 4 layers x 3 launches (attn_in, attention, mlp at this shape), then one step of the first 2 layers
-    assert profile[:6] == ["-k", "regex:ref_layer", "--launch-skip", "24", "--launch-count", "6"]
+    # 2 steps x 4 layers x 5 launches (no pair merged), then one step of the first 2 layers
+    assert profile[:6] == ["-k", "regex:ref_layer", "--launch-skip", "40", "--launch-count", "10"]
     assert "--section" in profile and "SpeedOfLight" in profile and "decode_target('q4q8')" in profile[-1]
     assert details[:2] == ["-i", str(tmp_path / "ncu-q4q8.ncu-rep")] and "--csv" in details
     assert sass_profile[:6] == ["-k", "regex:ref_layer_(attn_in|mlp_in)", "--launch-skip", "16", "--launch-count", "2"]

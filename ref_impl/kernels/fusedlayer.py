@@ -12,13 +12,15 @@ whole layer's decode step as five `mx.fast.cuda_kernel` launches (source in fuse
     mlp_in    RMSNorm, silu(gate) * up
     mlp_out   the down projection, the residual
 
-so an 8B token is ~165 primitives. A pair can also run as one launch (MERGE): `attention` (attend, attn_out) or
-`mlp` (mlp_in, mlp_out). The first blocks of such a launch to start do the first kernel's work, the others wait
-for them on counters the layer keeps (handoff_cuda.py says why that cannot deadlock) and do the second's; it
-saves the host a launch, and measured slower on the GPU at the 8B's shape, so none is merged by default. Each kernel reads the weights as the GEMV kernels do (launch.py: 16-byte
+so an 8B token is ~165 primitives. Each kernel reads the weights as the GEMV kernels do (launch.py: 16-byte
 chunks, codes decoded with float tricks, a group's scale and bias applied once per chunk) from an input row
 staged in shared memory, and rounds to the activation type wherever MLX's graph stores an intermediate, so the
 layer computes what the unfused layer computes, up to float32 summation order.
+
+A pair can also run as one launch (MERGE): `attention` (attend, attn_out) or `mlp` (mlp_in, mlp_out). The first
+blocks of such a launch to start do the first kernel's work, the others wait for them on counters the layer
+keeps (handoff_cuda.py says why that cannot deadlock) and then do the second's. That saves the host a launch;
+on the GPU it measured slower at the 8B's shape, so by default no pair is merged.
 
 The write into the cache happens inside attn_in, in place: the cache's buffers are inputs MLX does not know
 are written. That is safe because only this layer's kernels touch its buffers and attend, which reads them,
