@@ -399,8 +399,9 @@ def add_decoder(p: argparse.ArgumentParser, max_tokens: int) -> None:
                         "measurement at load finds them faster than MLX's built-ins; auto: on MLX's CUDA backend "
                         "only; on: fail elsewhere")
     p.add_argument("--activations", choices=["float", "int8"], default="float",
-                   help="int8: the fused layers' quantized matrices meet int8 copies of their inputs, rounded per "
-                        "32 values as llama.cpp's q8_1 (fewer GPU instructions a weight, one more rounding); CUDA only")
+                   help="int8: the fused layers' quantized matrices but the down projection meet int8 copies of "
+                        "their inputs, rounded per 32 values as llama.cpp's q8_1 (fewer GPU instructions a weight, one "
+                        "more rounding); CUDA only")
     p.add_argument("--compile", action="store_true",
                    help="trace one decode step with mx.compile and replay it at every position (less host time "
                         "per token where the host limits decode)")

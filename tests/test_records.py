@@ -88,6 +88,26 @@ def test_the_reference_run_is_the_newest_complete_one_per_machine(tmp_path):
     assert records.reference("decode", "c", tmp_path).caption == "c, 6 Jan 2026, commit not recorded (results/c-1.json)"
 
 
+def test_a_reference_can_keep_only_runs_whose_fused_layers_merged_no_pair(tmp_path):
+    """unmerged: the pairs a run's records name (decode-kernels' merged, a profile's launch), else primitives a
+    token (five launches a layer at least); reference(keep=...) then skips the newer runs it refuses."""
+    from ref_impl.kernels import fusedlayer
+    assert records.LAYER_LAUNCHES == len(fusedlayer.STAGES)
+    count = lambda v, **kw: record("decode-kernels", "kernels_per_token", "kernels", v, model="Llama-3.2-1B",
+                                   variant="layers", **kw)
+    write(tmp_path, "a-1.json", "a", "2026-01-01T00:00:00+00:00", [count(87.0)])             # 16 layers x 5 + 7
+    write(tmp_path, "a-2.json", "a", "2026-01-02T00:00:00+00:00", [count(55.0)])             # 16 x 3 + 7: merged
+    write(tmp_path, "a-3.json", "a", "2026-01-03T00:00:00+00:00", [count(71.0, merged=["attention"])])
+    write(tmp_path, "a-4.json", "a", "2026-01-04T00:00:00+00:00",
+          [record("kernel-profile", "tokens_per_s", "tok/s", 1.0, variant="fused", launch={"merge": ["mlp"]})])
+    assert [records.unmerged(records.read_run(tmp_path / f"a-{i}.json")) for i in (1, 2, 3, 4)] == [
+        True, False, False, False]
+    assert records.reference("decode-kernels", "a", tmp_path).file == "a-3.json"
+    assert records.reference("decode-kernels", "a", tmp_path, keep=records.unmerged).file == "a-1.json"
+    write(tmp_path, "a-5.json", "a", "2026-01-05T00:00:00+00:00", [count(71.0, merged=[])])   # said: none merged
+    assert records.reference("decode-kernels", "a", tmp_path, keep=records.unmerged).file == "a-5.json"
+
+
 def test_shares_are_divided_by_the_fastest_probe_of_the_run_or_of_the_machines_reference_roofs(tmp_path):
     probe = lambda v, variant, experiment=ROOFS: record(experiment, "bandwidth", "GB/s", v, variant=variant)
     write(tmp_path, "a-1.json", "a", "2026-01-01T00:00:00+00:00", [probe(3.0, "copy"), probe(4.0, "read")])

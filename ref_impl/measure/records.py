@@ -35,6 +35,7 @@ import datetime
 import functools
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -42,6 +43,7 @@ import numpy as np
 
 from ref_impl import MODELS_DIR, RESULTS_DIR
 from ref_impl.platform.machine import git_commit, machine_info
+from ref_impl.theory.shapes import PUBLIC
 
 SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}   # a dtype's name -> the records' name
 FLOAT_KV = {"float", *SHORT, *SHORT.values()}                      # every name a float cache was recorded under
@@ -196,20 +198,40 @@ def complete(run: Run) -> bool:
     return not any(isinstance(r["value"], float) and not math.isfinite(r["value"]) for r in run.records)
 
 
-def references(experiment: str, results_dir: Path = RESULTS_DIR, **where) -> dict[str, Run]:
+def references(experiment: str, results_dir: Path = RESULTS_DIR, keep: Callable[[Run], bool] | None = None,
+               **where) -> dict[str, Run]:
     """Per machine label, the run every chapter uses for `experiment` (records matching `where`): its newest
-    complete run."""
+    complete run, of those `keep` accepts (given its matching records) where given."""
     out: dict[str, Run] = {}
     for run in runs(experiment, results_dir, **where):     # oldest first: a newer complete run replaces
-        if complete(run):
+        if complete(run) and (keep is None or keep(run)):
             out[run.label] = run
     return out
 
 
-def reference(experiment: str, label: str, results_dir: Path = RESULTS_DIR, **where) -> Run | None:
-    """The run every chapter uses for `experiment` on the machine `label` (records matching `where`), or None
-    when that machine has none."""
-    return references(experiment, results_dir, **where).get(label)
+def reference(experiment: str, label: str, results_dir: Path = RESULTS_DIR,
+              keep: Callable[[Run], bool] | None = None, **where) -> Run | None:
+    """The run every chapter uses for `experiment` on the machine `label` (records matching `where`, accepted
+    by `keep`), or None when that machine has none."""
+    return references(experiment, results_dir, keep, **where).get(label)
+
+
+LAYER_LAUNCHES = 5   # kernels a fused layer launches a step with no pair merged (kernels/fusedlayer.py's STAGES)
+
+
+def unmerged(run: Run) -> bool:
+    """Whether the fused layers in a run's records launched their five kernels apart, as they do by default (no
+    pair merged into one launch: kernels/fusedlayer.py's MERGE): by the pairs the records name (decode-kernels'
+    `merged`, a profile's `launch`), else by primitives a token, of which a merged pair saves one a layer."""
+    for r in run.records:
+        merged = r.get("merged", (r.get("launch") or {}).get("merge"))
+        if merged:
+            return False
+        if r.get("metric") == "kernels_per_token" and r.get("variant", "").startswith("layers") and merged is None:
+            layers = PUBLIC[r["model"]].num_hidden_layers if r.get("model") in PUBLIC else 0
+            if r["value"] < LAYER_LAUNCHES * layers:
+                return False
+    return True
 
 
 def reference_runs(results_dir: Path = RESULTS_DIR) -> dict[str, dict[str, Run]]:
