@@ -11,7 +11,8 @@ See chapter: dispatch-kernel
 
 from __future__ import annotations
 
-ATTEND = r"""// This thread's share of an array moved into L2 ahead of its reader, the grid's nth threads splitting its bytes
+ATTEND = r"""
+// This thread's share of an array moved into L2 ahead of its reader, the grid's nth threads splitting its bytes
 // in whole 256-byte pieces: on sm_90 one bulk prefetch (the copy engine fetches it), elsewhere a line at a time
 __device__ __forceinline__ void prefetch_l2(const void* p, int64_t bytes, int64_t tid, int64_t nth) {
   const int64_t slice = ((bytes + nth - 1) / nth + 255) & ~int64_t(255), at = tid * slice;

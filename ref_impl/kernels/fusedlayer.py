@@ -278,7 +278,9 @@ def grid(plan: Launches, name: str, keys: int, kv_heads: int) -> int:
     attention's are attend's and then attn_out's."""
     if name not in ("attend", "attention"):
         return plan.grids[name]
-    blocks = kv_heads * splits(keys) + (plan.grids["attn_out"] // plan.threads["attn_out"] if name == "attention" else 0)
+    blocks = kv_heads * splits(keys)
+    if name == "attention":
+        blocks += plan.grids["attn_out"] // plan.threads["attn_out"]
     return plan.threads[name] * blocks
 
 
@@ -358,6 +360,11 @@ class FusedLayer(TransformerBlock):
                           [(splits(keys), hq, hd + 2), (1, 1, d)], [mx.float32, dt], keys)
             return part, h
 
+        def mlp_both(h: mx.array, sync: mx.array | None = None) -> tuple[mx.array, mx.array]:
+            a, y = run(kmlp, "mlp", [h, n2, eps2, *g, *u, *dn, counters["mlp"] if sync is None else sync],
+                       [(1, 1, f), (1, 1, d)], [dt, dt])
+            return a, y
+
         return {
             "attn_in": lambda x, cache, at: run(kin, "attn_in", [x, n1, eps, *q, *k, *v, freqs, at, cache.keys,
                                                                  cache.values], [(1, 1, hq * hd)], [dt])[0],
@@ -366,8 +373,7 @@ class FusedLayer(TransformerBlock):
             "attention": attention,
             "mlp_in": lambda h: run(mlin, "mlp_in", [h, n2, eps2, *g, *u], [(1, 1, f)], [dt])[0],
             "mlp_out": lambda a, h: run(mlout, "mlp_out", [a, *dn, h], [(1, 1, d)], [dt])[0],
-            "mlp": lambda h, sync=None: tuple(run(kmlp, "mlp", [h, n2, eps2, *g, *u, *dn, counters["mlp"] if sync is None
-                                                              else sync], [(1, 1, f), (1, 1, d)], [dt, dt])),
+            "mlp": mlp_both,
         }
 
     def step(self, x: mx.array, cache: KVCache) -> tuple[mx.array, ...]:

@@ -49,7 +49,8 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 """,
-    "matrix": r"""// The values of one 32-bit word of a row: 8 4-bit codes, 4 8-bit codes or 2 16-bit floats
+    "matrix": r"""
+// The values of one 32-bit word of a row: 8 4-bit codes, 4 8-bit codes or 2 16-bit floats
 template <typename T, int BITS>
 __device__ __forceinline__ void word_values(uint32_t v, float (&q)[32 / BITS]) {
   if constexpr (BITS == 16) {
@@ -134,7 +135,8 @@ __device__ __forceinline__ void dot(const float* xs, int k, const uint32_t* cons
   for (int r = 0; r < RW; ++r) tot[r] = warp_sum(tot[r]);
 }
 
-""" + INT8 + r"""// The dot product of a kernel's rows with its staged row: on the int8 copy (Q8, quantized matrices) or the floats
+""" + INT8 + r"""
+// The dot product of a kernel's rows with its staged row: on the int8 copy (Q8, quantized matrices) or the floats
 template <bool Q8, bool AL, typename T, int BITS, int GROUP, int RW, int U>
 __device__ __forceinline__ void dot_row(float* xs, int k, const uint32_t* const (&w)[RW], const T* const (&s)[RW],
                                         const T* const (&b)[RW], float (&tot)[RW]) {
@@ -167,7 +169,8 @@ __device__ __forceinline__ void prefetch(const uint32_t* const (&w)[RW], int wor
 }
 
 """,
-    "stage_norm": r"""// The block stages RMSNorm(x) * w (k values, k a multiple of 8) in xs, as MLX rounds it: x * rsqrt(mean(x^2) +
+    "stage_norm": r"""
+// The block stages RMSNorm(x) * w (k values, k a multiple of 8) in xs, as MLX rounds it: x * rsqrt(mean(x^2) +
 // eps) to T, times w to T. Aligned inputs are read 16 bytes (8 values) at a time.
 template <typename T>
 __device__ __forceinline__ void stage_norm(const T* x, const T* w, float eps, int k, float* xs) {
@@ -203,7 +206,8 @@ __device__ __forceinline__ void stage_norm(const T* x, const T* w, float eps, in
 }
 
 """,
-    "stage_row": r"""// The block stages a row of k values of T (2 bytes each, k a multiple of 8) in xs, read from L2 (__ldcg): in the
+    "stage_row": r"""
+// The block stages a row of k values of T (2 bytes each, k a multiple of 8) in xs, read from L2 (__ldcg): in the
 // merged MLP other blocks of the same launch wrote it, and this SM's L1 may not know
 template <typename T>
 __device__ __forceinline__ void stage_row(const T* a, int k, float* xs) {
@@ -221,7 +225,8 @@ __device__ __forceinline__ void stage_row(const T* a, int k, float* xs) {
 }
 
 """,
-    "stage_attention": r"""// The block stages the attention output (heads x D values) from the key-length splits' partial results
+    "stage_attention": r"""
+// The block stages the attention output (heads x D values) from the key-length splits' partial results
 // part (splits, heads, D + 2): per split and head, sum_j exp(s_j - m) v_j, then m and sum_j exp(s_j - m).
 // First each warp turns a head's maxima and sums into each split's weight (wts, heads x splits floats of
 // shared memory), then every value is one weighted sum over the splits. part is read from L2 (__ldcg): in the
@@ -256,7 +261,8 @@ __device__ __forceinline__ void stage_attention(const float* part, int splits, i
 """,
     "attend": ATTEND,
     "handoff": HANDOFF,
-    "project": r"""// A projection plus the residual, y = res + (row W^T) in T, for block `blk`: its NW warps' R rows each of the
+    "project": r"""
+// A projection plus the residual, y = res + (row W^T) in T, for block `blk`: its NW warps' R rows each of the
 // matrix (n rows of k inputs). `stage()` puts the row in xs once the block has asked for its rows, and returns 0,
 // or NaN when its input never came (a handoff that failed: the output then says so).
 template <typename T, int NW, int B0, int G0, int R, int U, bool Q8, class Stage>
@@ -283,7 +289,8 @@ __device__ __forceinline__ void project(int blk, int k, const void* w0, const T*
 }
 
 """,
-    "gate_up": r"""// Norm, then the MLP's gate and up projections for block `blk`: y = silu(x Wg^T) * (x Wu^T) (n rows of k inputs
+    "gate_up": r"""
+// Norm, then the MLP's gate and up projections for block `blk`: y = silu(x Wg^T) * (x Wu^T) (n rows of k inputs
 // each), with MLX's roundings to T (gate, up, sigmoid, silu, product). A warp reads R rows of each matrix.
 template <typename T, int NW, int B0, int G0, int R, int U, bool Q8>
 __device__ __forceinline__ void gate_up(int blk, const T* x, const T* nw, float eps, int k, const void* w0,

@@ -15,7 +15,8 @@ See chapter: dispatch-kernel
 
 from __future__ import annotations
 
-HANDOFF = r"""// One launch whose blocks hand work on (attention: attend's splits to the output projection; mlp: the hidden row
+HANDOFF = r"""
+// One launch whose blocks hand work on (attention: attend's splits to the output projection; mlp: the hidden row
 // to the down projection), by three counters the layer keeps zeroed between launches. sync[0] hands out tickets
 // in the order blocks start, so the first tickets, the producers, all run before any block waits: no deadlock,
 // whatever order the GPU starts blocks in and however few fit at once. sync[1] counts producers done, sync[2]
