@@ -1137,7 +1137,7 @@ def test_fused_layer_against_float64_oracle():
 def test_merged_pairs_hand_over_on_their_own_counters():
     """attention and mlp (each pair of kernels in one launch) on the 8B layer's shape: launches queued at once on
     counters of their own all give the two-launch result, the counters are zero again after each, and counters that
-    never see the first half's blocks arrive give NaN (after ~a second) instead of a hung GPU, and are zero after."""
+    never see the first half's blocks arrive give NaN (within a second) instead of a hung GPU, and are zero after."""
     model = layer_model(4096, 32, 8, 14336, "q4q8")
     assert fusedlayer.fuse(model) == {}
     st = model.layers[0].stages
