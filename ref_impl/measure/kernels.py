@@ -39,8 +39,7 @@ from ref_impl.theory.roofline import matmul_shapes
 # MLX's built-ins, our GEMVs where faster, with the fused gate/up and q/k/v kernels; "+compiled": each decode
 # step one mx.compile'd graph (generate.compiled_decoder); "layers": every decoder layer five fused kernels
 # (kernels/fusedlayer.py; its records name the pairs that ran as one launch, `merged`), the LM head as "kernels"
-# runs it; "+int8": the fused layers' quantized matrices meet
-# int8 activations (quantized weights only)
+# runs it; "+int8": the fused layers' quantized matrices meet int8 activations (quantized weights only)
 DECODE_VARIANTS = ("native", "native+compiled", "kernels", "kernels+fused", "kernels+fused+compiled", "layers",
                    "layers+int8")
 
@@ -250,14 +249,15 @@ def layer_kernel_ms(model: Model, context: int, passes: int = 4) -> dict[str, tu
         "attn_in": [lambda _, b=b, c=c: b.stages["attn_in"](x, c, at) for b, c in zip(layers, caches)],
         "attend": [lambda _, b=b, c=c, o=o: b.stages["attend"](o[0], c, at) for b, c, o in zip(layers, caches, outs)],
         "attn_out": [lambda _, b=b, o=o: b.stages["attn_out"](o[1], x) for b, o in zip(layers, outs)],
-        "attention": [handoff(b, "attention", o[0], c, at, x) for b, c, o in zip(layers, caches, outs)],
         "mlp_in": [lambda _, b=b, o=o: b.stages["mlp_in"](o[2]) for b, o in zip(layers, outs)],
         "mlp_out": [lambda _, b=b, o=o: b.stages["mlp_out"](o[3], o[2]) for b, o in zip(layers, outs)],
-        "mlp": [handoff(b, "mlp", o[2]) for b, o in zip(layers, outs)],
     }
-    for pair in fusedlayer.PAIRS:
-        if pair not in layers[0].plan.merged:
-            del calls[pair]
+    merged = layers[0].plan.merged      # the pairs' calls (and their counters) only where the layers merge them
+    if "attention" in merged:
+        calls["attention"] = [handoff(b, "attention", o[0], c, at, x) for b, c, o in zip(layers, caches, outs)]
+    if "mlp" in merged:
+        calls["mlp"] = [handoff(b, "mlp", o[2]) for b, o in zip(layers, outs)]
+    calls = {k: calls[k] for k in fusedlayer.KERNELS if k in calls}
     per_call, _, errors = kernels.time_calls(calls, x, passes)
     if errors:
         raise RuntimeError(f"fused-layer kernels failed: {errors}")
