@@ -48,7 +48,8 @@ __device__ __forceinline__ void load_head(const T* p, float (&f)[E]) {
 // attention). Its first NA warps take 8 keys at a time, 4 lanes a key: each lane dots a quarter of its key with
 // the G queries (staged in shared memory, scaled), two shuffles add the quarters, and an online softmax over the
 // 8 keys updates the lane's share of each head's output (dims lane*E.., the 8 keys' weights passed by shuffles).
-// Then the block merges those warps into part[split, head] = (sum exp(s - m) v, m, sum exp(s - m)).
+// Then the block merges those warps into part[split, head] = (sum exp(s - m) v, m, sum exp(s - m)): a thread per
+// head weighs each warp once (exp(m_warp - m)), then each output value is one weighted sum over the warps.
 // PF: the blocks first move the output projection's matrix (w0, s0, b0) into L2, for its reader next.
 template <typename T, int NA, int B0, int D, int G, bool PF>
 __device__ __forceinline__ void attend_split(int blk, int nblk, int splits, const T* q, const T* kc, const T* vc,
@@ -144,20 +145,30 @@ __device__ __forceinline__ void attend_split(int blk, int nblk, int splits, cons
     }
   }
   __syncthreads();
-  for (int t = threadIdx.x; t < G * (D + 1); t += blockDim.x) {
-    const int g = t / (D + 1), e = t % (D + 1);      // e == D: the row's max and sum
-    float mx = neg_inf();
+  float* wts = qs;                                   // the queries are all read: the warps' weights there
+  if (threadIdx.x < G) {
+    const int g = threadIdx.x;
+    float mx = neg_inf(), s = 0.0f;
+    #pragma unroll
     for (int w = 0; w < NA; ++w) mx = fmaxf(mx, xs[(w * G + g) * (D + 2) + D]);
-    float v = 0.0f, s = 0.0f;
+    #pragma unroll
     for (int w = 0; w < NA; ++w) {
       const float* o = xs + (w * G + g) * (D + 2);
       const float f = o[D] == neg_inf() ? 0.0f : expf(o[D] - mx);
-      v = fmaf(f, e < D ? o[e] : 0.0f, v);
+      wts[g * NA + w] = f;
       s = fmaf(f, o[D + 1], s);
     }
     float* out = part + ((int64_t)sp * hq + hk * G + g) * (D + 2);
-    if (e < D) out[e] = v;
-    else { out[D] = mx; out[D + 1] = s; }
+    out[D] = mx;
+    out[D + 1] = s;
+  }
+  __syncthreads();
+  for (int t = threadIdx.x; t < G * D; t += blockDim.x) {
+    const int g = t / D, e = t % D;
+    float v = 0.0f;
+    #pragma unroll
+    for (int w = 0; w < NA; ++w) v = fmaf(wts[g * NA + w], xs[(w * G + g) * (D + 2) + e], v);
+    part[((int64_t)sp * hq + hk * G + g) * (D + 2) + e] = v;
   }
 }
 
