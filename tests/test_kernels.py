@@ -1257,12 +1257,15 @@ test_misaligned_inputs.isolated = True
 
 # --- as a script -----------------------------------------------------------------------------------------
 
-def main(only: str | None = None) -> int:
+def main(only: str | None = None, part: str = "1/1") -> int:
     """Run every test here (CUDA tests only on CUDA), isolated ones in a child process; print failures; end
-    with the summary line. only: run that one test in this process."""
-    print(f"MLX {mx.__version__}, device {mx.default_device()}, CUDA backend: {CUDA}", flush=True)
+    with the summary line. only: run that one test in this process; part "K/N": every Nth test from the Kth
+    (two processes can then share one GPU's run)."""
+    print(f"MLX {mx.__version__}, device {mx.default_device()}, CUDA backend: {CUDA}, part {part}", flush=True)
+    k, n = map(int, part.split("/"))
     counts = {"passed": 0, "failed": 0, "skipped": 0}
-    for name, test in [(n, f) for n, f in globals().items() if n.startswith("test_") and callable(f)]:
+    tests = [(name, f) for name, f in globals().items() if name.startswith("test_") and callable(f)]
+    for name, test in tests[k - 1::n]:
         if (only and name != only) or getattr(test, "needs_cuda", CUDA) != CUDA:
             counts["skipped"] += not only
             continue
@@ -1287,4 +1290,5 @@ def main(only: str | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[2] if sys.argv[1:2] == ["--only"] else None))
+    flags = dict(zip(sys.argv[1::2], sys.argv[2::2]))   # --only NAME, --part K/N
+    sys.exit(main(flags.get("--only"), flags.get("--part", "1/1")))
