@@ -59,9 +59,10 @@ from ref_impl.platform.timing import clock, median
 KERNELS = tuple(SOURCES)
 # the kernel pairs that can run as one launch, each a launch fewer a layer (~30 us of host time): name -> halves
 PAIRS = {"attention": ("attend", "attn_out"), "mlp": ("mlp_in", "mlp_out")}
-# the pairs merged: none, as measured on an H100 (results/h100-20261206-141335.json, -141600.json, GPU busy ms a
-# token, 4-bit): merged attention 4.62 against 4.45 on the 8B but 1.45 against 1.53 on the 1B; merged mlp 6.41
-# on the 8B (its kernel 127 us against mlp_in's 42 and mlp_out's 27)
+# the pairs merged: none, as measured on an H100 (results/h100-20261206-155519.json, -155600.json, 4-bit): on the
+# 8B merged mlp took 5.76 ms of GPU a token against 4.27 (its kernel 114 us against mlp_in's 42 and mlp_out's 26),
+# merged attention 4.30; on the 1B merged attention and both pairs decoded at 671 and 722 tok/s against 621, in a
+# profile where attn_in, which no pairing changes, averaged 13 to 21 us a call: a choice at load should decide
 MERGE: tuple[str, ...] = ()
 STAGES = tuple(k for k in KERNELS if k not in PAIRS)   # the five kernels of a layer's step, merged or not
 # warps per block: a block stages its input row once for all its warps, so more warps share that cost, but

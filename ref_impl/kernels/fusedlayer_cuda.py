@@ -194,8 +194,8 @@ __device__ __forceinline__ void put_normed(float* xs, int c, const float (&f)[8]
 // The block stages RMSNorm(x) * w (k values, k a multiple of 8) in xs, as MLX rounds it: x * rsqrt(mean(x^2) +
 // eps) to T, times w to T. Where x and w are aligned and a thread has at most HELD chunks of them, it asks for all
 // of them at once and keeps them in registers: one trip to memory, where a loop that loads a chunk and then uses
-// it waits once a chunk (ncu on the H200: 55% of attn_in's stalled warps waited on x's first load). Otherwise x is
-// read twice, a chunk at a time.
+// it waits once a chunk (x's first load was attn_in's and mlp_in's most sampled stall in the H200 ncu profile).
+// Otherwise x is read twice, a chunk at a time.
 template <typename T>
 __device__ __forceinline__ void stage_norm(const T* x, const T* w, float eps, int k, float* xs) {
   constexpr int HELD = 4;
@@ -443,7 +443,7 @@ ATTN_IN = r"""
     else ::ref_layer::row_ptrs<T, B2, G2>(w2, s2, b2, k, row[r], wr[r], sr[r], br[r]);
   }
   // the position and the pair's rate, asked for now (volatile: nvcc moved a plain load to its use after the dot,
-  // where the block then waited a trip to memory: 16% of attn_in's stalled warps in the H200 ncu profile)
+  // where the block then waited a trip to memory, as the H200 ncu profile's stall samples show)
   int at;
   float rate = 0.0f;
   asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(at) : "l"(pos));
@@ -483,8 +483,8 @@ ATTN_IN = r"""
 
 # Decode attention, split over the key length (attend_split in the header): one block per key head and split.
 # (Its first layout, 32 lanes a key, spent five dependent shuffles a key and head; today's spends two a key and
-# three for every 8 keys, yet the H100 profile in results/h100-20261206-115613.json still gives it ~14 us a
-# layer at 256 keys: its time goes elsewhere.)
+# three for every 8 keys, yet the H100 profile in results/h100-20261206-115613.json still gave it ~14 us a
+# layer at 256 keys: its time went elsewhere. Queued alone it now takes ~10, results/h100-20261206-155918.json.)
 ATTEND = r"""
   extern __shared__ float xs[];
   const int64_t wbytes = (int64_t)w0_shape[0] * w0_shape[1] * sizeof(*w0), sbytes = (int64_t)s0_shape[0] * s0_shape[1] * sizeof(T);
