@@ -34,7 +34,7 @@ __device__ __forceinline__ int pad(int e) { return e + 4 * (e >> 5); }
 // 8 values of T at p (16-byte aligned) as floats
 template <typename T>
 __device__ __forceinline__ void load8(const T* p, float (&f)[8]) {
-  ::ref_gemv::unpack<T>(*reinterpret_cast<const uint4*>(p), f);
+  ::ref_gemv::unpack<T>(__ldg(reinterpret_cast<const uint4*>(p)), f);
 }
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
@@ -62,6 +62,26 @@ __device__ __forceinline__ void word_values(uint32_t v, float (&q)[32 / BITS]) {
   }
 }
 
+// Chunks c0, c0 + 32, ..., c0 + 32 (U - 1) of RW rows (16 bytes of words, CV values each) and, for an affine
+// format, their groups' scales and biases, all asked for before any is used; zeros past the row's end
+template <bool AL, bool AFFINE, typename T, int CV, int GROUP, int RW, int U>
+__device__ __forceinline__ void load_chunks(int c0, int chunks, const uint32_t* const (&w)[RW],
+                                            const T* const (&s)[RW], const T* const (&b)[RW], uint4 (&wq)[U][RW],
+                                            float (&sc)[U][RW], float (&bi)[U][RW]) {
+  #pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int c = c0 + 32 * u;
+    #pragma unroll
+    for (int r = 0; r < RW; ++r) {
+      wq[u][r] = c < chunks ? ::ref_gemv::load_weights<AL>(w[r] + 4 * c) : make_uint4(0u, 0u, 0u, 0u);
+      if constexpr (AFFINE) {
+        sc[u][r] = c < chunks ? to_float(s[r][c * CV / GROUP]) : 0.0f;
+        bi[u][r] = c < chunks ? to_float(b[r][c * CV / GROUP]) : 0.0f;
+      }
+    }
+  }
+}
+
 // This lane's partial dot products of RW weight rows with x (k floats in shared memory, padded). Row r:
 // words w[r] (codes, or the dense row as pairs of T), scales s[r] and biases b[r] per GROUP (affine).
 // Lane l reads 16-byte chunks l, l + 32, ..., U chunks of every row in flight before it computes.
@@ -77,18 +97,7 @@ __device__ __forceinline__ void dot(const float* xs, int k, const uint32_t* cons
   for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
     uint4 wq[U][RW];
     float sc[U][RW], bi[U][RW];
-    #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + 32 * u;
-      #pragma unroll
-      for (int r = 0; r < RW; ++r) {
-        wq[u][r] = c < chunks ? ::ref_gemv::load_weights<AL>(w[r] + 4 * c) : make_uint4(0u, 0u, 0u, 0u);
-        if constexpr (AFFINE) {
-          sc[u][r] = c < chunks ? to_float(s[r][c * CV / GROUP]) : 0.0f;
-          bi[u][r] = c < chunks ? to_float(b[r][c * CV / GROUP]) : 0.0f;
-        }
-      }
-    }
+    load_chunks<AL, AFFINE, T, CV, GROUP, RW, U>(c0, chunks, w, s, b, wq, sc, bi);
     #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + 32 * u;

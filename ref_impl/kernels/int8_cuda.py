@@ -83,16 +83,7 @@ __device__ __forceinline__ void dot_q8(float* xs, int k, const uint32_t* const (
   for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
     uint4 wq[U][RW];
     float sc[U][RW], bi[U][RW];
-    #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + 32 * u;
-      #pragma unroll
-      for (int r = 0; r < RW; ++r) {
-        wq[u][r] = c < chunks ? ::ref_gemv::load_weights<AL>(w[r] + 4 * c) : make_uint4(0u, 0u, 0u, 0u);
-        sc[u][r] = c < chunks ? to_float(s[r][c * CV / GROUP]) : 0.0f;
-        bi[u][r] = c < chunks ? to_float(b[r][c * CV / GROUP]) : 0.0f;
-      }
-    }
+    load_chunks<AL, true, T, CV, GROUP, RW, U>(c0, chunks, w, s, b, wq, sc, bi);
     #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + 32 * u;
