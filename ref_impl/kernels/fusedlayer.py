@@ -294,10 +294,18 @@ def rope_frequencies(attn: nn.Module) -> np.ndarray:
     return (attn.rope_scale / wavelengths).astype(np.float32)
 
 
+def scalar(value: float, dtype: mx.Dtype) -> mx.array:
+    """A number the kernels read (an eps, a scale) in GPU memory: four copies, made by a GPU op. MLX keeps every
+    array of 8 bytes or less in one managed pool that the host writes and the GPU reads across PCIe
+    (mlx/backend/cuda/allocator.cpp); a GPU op's larger output gets device memory."""
+    return mx.full((4,), value, dtype=dtype)
+
+
 @functools.lru_cache(maxsize=8)
 def position(offset: int) -> mx.array:
-    """The write position as the kernels read it, one array per position shared by every layer of a step."""
-    return mx.array([offset], dtype=mx.int32)
+    """The write position as the kernels read it (the first of four values, made on the GPU as scalar's are), one
+    array per position shared by every layer of a step."""
+    return mx.arange(offset, offset + 4, dtype=mx.int32)
 
 
 class FusedLayer(TransformerBlock):
@@ -333,10 +341,10 @@ class FusedLayer(TransformerBlock):
         dt = self.input_layernorm.weight.dtype
         q, k, v, o, g, u, dn = (matrix(m)[1] for m in projections(self).values())
         n1, n2 = self.input_layernorm["weight"], self.post_attention_layernorm["weight"]
-        eps = mx.array([self.input_layernorm.eps], dtype=mx.float32)
-        eps2 = mx.array([self.post_attention_layernorm.eps], dtype=mx.float32)
+        eps = scalar(self.input_layernorm.eps, mx.float32)
+        eps2 = scalar(self.post_attention_layernorm.eps, mx.float32)
         freqs = mx.array(rope_frequencies(attn))
-        scale = mx.array([attn.scale], dtype=mx.float32)
+        scale = scalar(attn.scale, mx.float32)
         hq, hkv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
         d, f = n1.shape[0], mlp_width(mlp)
         tpl, thr, smem = plan.templates, plan.threads, plan.shared
