@@ -968,7 +968,8 @@ def test_fused_layer_launches_cover_every_row():
     for name, n in rows.items():
         warps = plan.grids[name] // 32
         need = -(-n // (2 if name == "attn_in" else fusedlayer.ROWS_PER_WARP))
-        assert need <= warps < need + fusedlayer.WARPS[name], (name, warps, need)
+        per = fusedlayer.GROUPS_PER_BLOCK.get(name, 1)
+        assert need <= warps * per < need + fusedlayer.WARPS[name] * per, (name, warps, need)
         assert plan.grids[name] % plan.threads[name] == 0 and plan.threads[name] == 32 * fusedlayer.WARPS[name]
     widths = {"attn_in": 4096, "attn_out": 4096, "mlp_in": 4096, "mlp_out": 14336}
     for name, k in widths.items():      # the last padded index, k - 1 + 4 (k - 1) // 32, fits
@@ -988,6 +989,11 @@ def test_fused_layer_launches_cover_every_row():
         both = fusedlayer.launches(block)
     assert both.merged == ("attention", "mlp") and both.order() == ("attn_in", "attention", "mlp")
     assert plan.grids["mlp"] == plan.grids["mlp_in"] + plan.grids["mlp_out"] and plan.threads["mlp"] == 8 * 32
+    # three groups of rows a block: a third of the blocks (rounded up), but merged mlp keeps a group per block
+    with layerlaunch.applied(layerlaunch.Setting(groups={"attn_in": 3, "mlp_in": 3})):
+        grouped = fusedlayer.launches(block)
+    assert grouped.grids["attn_in"] // 256 == -(-3072 // (8 * 3)) and grouped.grids["mlp_in"] // 256 == -(-7168 // 24)
+    assert grouped.grids["mlp"] == plan.grids["mlp"] and grouped.grids["attn_out"] == plan.grids["attn_out"]
     assert plan.shared["mlp"] == plan.shared["mlp_out"] > plan.shared["mlp_in"]
     assert dict(plan.templates["mlp"])["B1"] == 8 and dict(plan.templates["mlp"])["B0"] == 4
     for keys in (1, 300):
@@ -1086,19 +1092,21 @@ def test_fused_layer_against_float64_oracle():
     half-head RoPE pairs; head sizes 64 and 128; at positions that give attend 1 to 4 key-length splits. The
     quantized layers run twice: float activations, and int8 ones against the oracle that rounds as they do (and
     within a few percent of the float oracle: the rounding itself). Each pair of kernels runs as one launch
-    (attention, mlp), and as two for the first case of each kind."""
+    (attention, mlp), and as two for the first case of each kind; attn_in and mlp_in also with blocks that
+    compute three groups of rows each (a last block with fewer)."""
     cases = [(512, 8, 2, 1408, "f16", "llama", mx.float16, (0, 5, 300)),
              (512, 8, 8, 1024, "f16", "qwen2", mx.bfloat16, (1, 260)),
              (1024, 8, 2, 2816, "q4q8", "qwen2", mx.float16, (3, 700)),
              (1024, 16, 4, 2048, "q4q8", "llama", mx.float16, (17,)),
              (4096, 32, 8, 14336, "q4g64", "llama", mx.float16, (1000,))]
     rng = np.random.default_rng(0)
-    runs = [(case, int8, fusedlayer.PAIRS) for case in cases
+    runs = [(case, int8, fusedlayer.PAIRS, {}) for case in cases
             for int8 in ((False, True) if case[4] != "f16" else (False,))]
-    runs += [(cases[0], False, ()), (cases[2], False, ())]
-    for (hidden, heads, kv, inter, quant, arch, dt, positions), int8, merge in runs:
+    grouped = {"attn_in": 3, "mlp_in": 3}     # blocks that stage once and compute 3 groups of rows
+    runs += [(cases[0], False, (), grouped), (cases[2], False, (), {}), (cases[2], True, (), grouped)]
+    for (hidden, heads, kv, inter, quant, arch, dt, positions), int8, merge, groups in runs:
         model = layer_model(hidden, heads, kv, inter, quant, arch, dt)
-        with layerlaunch.applied(layerlaunch.Setting(merge=merge)):
+        with layerlaunch.applied(layerlaunch.Setting(merge=merge, groups=groups)):
             assert fusedlayer.fuse(model, int8=int8) == {}
         layer = model.layers[0]
         assert layer.plan.merged == tuple(merge)
@@ -1125,7 +1133,8 @@ def test_fused_layer_against_float64_oracle():
                 print("    int8 rounding against float activations: " + ", ".join(
                     f"{s} {e:.1e}" for s, e in drift.items()), flush=True)
                 assert max(drift.values()) < 0.05, drift
-            print(f"  {quant}{' int8' if int8 else ''}{'' if merge else ' five launches'} {dtype_name(dt)} {arch} d={hidden} "
+            print(f"  {quant}{' int8' if int8 else ''}{'' if merge else ' five launches'}{' 3 groups a block' if groups else ''} "
+                  f"{dtype_name(dt)} {arch} d={hidden} "
                   f"H={heads}/{kv} D={D} f={inter} pos {pos} ({part.shape[0]} splits): "
                   + ", ".join(f"{s} {e:.1e}" for s, e in errs.items()), flush=True)
             assert max(errs.values()) < 2 ** -7, errs

@@ -77,6 +77,9 @@ ROWS_PER_WARP = 2       # output rows a warp computes (attn_in: always one RoPE 
 # 16-byte loads per row in flight, (dense, quantized): a 4-bit chunk is 32 weights of work against a dense
 # one's 8, so fewer suffice; quantized attn_in took 31.5 us with 4 and 25.7 with 2 (the profile above)
 UNROLL = {"attn_in": (4, 2), "attn_out": (4, 4), "mlp_in": (2, 2), "mlp_out": (4, 4)}
+# groups of rows (a block's worth: WARPS x rows per warp) each block computes, after staging its input row once:
+# fewer blocks, fewer stagings (attn_in and mlp_in, which norm their row; 1: a block per group)
+GROUPS_PER_BLOCK = {"attn_in": 1, "mlp_in": 1}
 KEYS_PER_SPLIT = 64     # attend: one block per key head and this many positions
 MAX_SPLITS = 32
 PREFETCH = True         # attend moves attn_out's matrix into L2 (attn_out is latency-bound; attend reads little)
@@ -233,9 +236,9 @@ def launches(block: TransformerBlock, int8: bool = False) -> Launches:
     def fmt(i: int, fm: Format) -> list:
         return [(f"B{i}", fm.bits), (f"G{i}", fm.group_size or 1)]
 
-    def blocks(name: str, rows: int, per_warp: int = ROWS_PER_WARP) -> int:
+    def blocks(name: str, rows: int, per_warp: int = ROWS_PER_WARP, groups: int = 1) -> int:
         warps = -(-rows // per_warp)
-        return -(-warps // WARPS[name])
+        return -(-warps // (WARPS[name] * groups))
 
     def head(name: str) -> list:
         return [("T", t), ("NW", WARPS[name])]
@@ -257,10 +260,11 @@ def launches(block: TransformerBlock, int8: bool = False) -> Launches:
         + [("UD", UNROLL["mlp_out"][quantized]), ("Q8D", q8 and "mlp_out" in INT8_KERNELS)]
     threads = {k: 32 * WARPS[k] for k in KERNELS if k not in PAIRS}
     threads.update({pair: threads[second] for pair, (_, second) in PAIRS.items()})
-    counts = {"attn_in": blocks("attn_in", (hq + 2 * hkv) * hd, per_warp=2), "attn_out": blocks("attn_out", d),
-              "mlp_in": blocks("mlp_in", f), "mlp_out": blocks("mlp_out", d)}
+    per = GROUPS_PER_BLOCK
+    counts = {"attn_in": blocks("attn_in", (hq + 2 * hkv) * hd, 2, per["attn_in"]), "attn_out": blocks("attn_out", d),
+              "mlp_in": blocks("mlp_in", f, groups=per["mlp_in"]), "mlp_out": blocks("mlp_out", d)}
     grids = {k: threads[k] * b for k, b in counts.items()}
-    grids["mlp"] = threads["mlp"] * (counts["mlp_in"] + counts["mlp_out"])
+    grids["mlp"] = threads["mlp"] * (blocks("mlp_in", f) + counts["mlp_out"])   # a group per ticket
     row = lambda k, name: 4 * padded(k) + (q8_bytes(k) if q8 and name in INT8_KERNELS else 0)   # + its int8 copy
     partials = WARPS["attend"] * (hq // hkv) * (hd + 2)             # attend: each warp's, then the queries
     shared = {"attn_in": row(d, "attn_in"), "attend": 4 * (-(-partials // 4) * 4 + (hq // hkv) * (hd + 16)),

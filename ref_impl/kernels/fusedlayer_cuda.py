@@ -363,35 +363,46 @@ __device__ __forceinline__ void project(int blk, int k, const void* w0, const T*
 
 """,
     "gate_up": r"""
-// Norm, then the MLP's gate and up projections for block `blk`: y = silu(x Wg^T) * (x Wu^T) (n rows of k inputs
-// each), with MLX's roundings to T (gate, up, sigmoid, silu, product). A warp reads R rows of each matrix.
+// Norm, then the MLP's gate and up projections: y = silu(x Wg^T) * (x Wu^T) (n rows of k inputs each), with
+// MLX's roundings to T (gate, up, sigmoid, silu, product). A warp reads R rows of each matrix; the block stages
+// the normed row once and then computes groups blk, blk + stride, ... of NW * R rows (a launch with fewer blocks
+// than groups pays for fewer stagings)
 template <typename T, int NW, int B0, int G0, int R, int U, bool Q8>
-__device__ __forceinline__ void gate_up(int blk, const T* x, const T* nw, float eps, int k, const void* w0,
-                                        const T* s0, const T* b0, const void* w1, const T* s1, const T* b1, int n,
-                                        T* y, float* xs) {
-  const int lane = threadIdx.x & 31, row0 = (blk * NW + threadIdx.x / 32) * R;
+__device__ __forceinline__ void gate_up(int blk, int stride, const T* x, const T* nw, float eps, int k,
+                                        const void* w0, const T* s0, const T* b0, const void* w1, const T* s1,
+                                        const T* b1, int n, T* y, float* xs) {
+  const int lane = threadIdx.x & 31;
   const uint32_t* wr[2 * R];
   const T* sr[2 * R];
   const T* br[2 * R];
-  float acc[2 * R];
-  for (int r = 0; r < R; ++r) {
-    const int row = min(row0 + r, n - 1);
-    row_ptrs<T, B0, G0>(w0, s0, b0, k, row, wr[r], sr[r], br[r]);
-    row_ptrs<T, B0, G0>(w1, s1, b1, k, row, wr[R + r], sr[R + r], br[R + r]);
-  }
+  auto point = [&](int row0) {
+    for (int r = 0; r < R; ++r) {
+      const int row = min(row0 + r, n - 1);
+      row_ptrs<T, B0, G0>(w0, s0, b0, k, row, wr[r], sr[r], br[r]);
+      row_ptrs<T, B0, G0>(w1, s1, b1, k, row, wr[R + r], sr[R + r], br[R + r]);
+    }
+  };
+  int row0 = (blk * NW + threadIdx.x / 32) * R;
+  point(row0);
   if (row0 < n) prefetch<2 * R, U>(wr, k * B0 / 32);
   stage_norm<T>(x, nw, eps, k, xs);
   if constexpr (Q8) quantize_row(xs, k);
-  if (row0 >= n) return;
-  if (((((uintptr_t)w0) | ((uintptr_t)w1)) & 15) == 0) dot_row<Q8, true, T, B0, G0, 2 * R, U>(xs, k, wr, sr, br, acc);
-  else dot_row<Q8, false, T, B0, G0, 2 * R, U>(xs, k, wr, sr, br, acc);
-  if (lane < R && row0 + lane < n) {
-    float g = acc[0], u = acc[R];
-    #pragma unroll
-    for (int r = 1; r < R; ++r) if (lane == r) { g = acc[r]; u = acc[R + r]; }
-    g = rnd<T>(g);
-    const float sig = rnd<T>(1.0f / (1.0f + expf(-g)));
-    y[row0 + lane] = ::ref_gemv::from_float<T>(rnd<T>(g * sig) * rnd<T>(u));
+  const bool al = ((((uintptr_t)w0) | ((uintptr_t)w1)) & 15) == 0;
+  while (row0 < n) {
+    float acc[2 * R];
+    if (al) dot_row<Q8, true, T, B0, G0, 2 * R, U>(xs, k, wr, sr, br, acc);
+    else dot_row<Q8, false, T, B0, G0, 2 * R, U>(xs, k, wr, sr, br, acc);
+    if (lane < R && row0 + lane < n) {
+      float g = acc[0], u = acc[R];
+      #pragma unroll
+      for (int r = 1; r < R; ++r) if (lane == r) { g = acc[r]; u = acc[R + r]; }
+      g = rnd<T>(g);
+      const float sig = rnd<T>(1.0f / (1.0f + expf(-g)));
+      y[row0 + lane] = ::ref_gemv::from_float<T>(rnd<T>(g * sig) * rnd<T>(u));
+    }
+    blk += stride;
+    row0 = (blk * NW + threadIdx.x / 32) * R;
+    point(row0);
   }
 }
 
@@ -433,60 +444,70 @@ HEADER = header(PARTS)   # every part: what the probes and the chapter show
 ATTN_IN = r"""
   extern __shared__ float xs[];
   const int k = nw_shape[0], hkv = kc_shape[1], cap = kc_shape[2], hq = w0_shape[0] / D;
-  const int lane = threadIdx.x & 31, wid = blockIdx.x * NW + threadIdx.x / 32;
-  const int nq = hq * D / 2, nk = hkv * D / 2;
-  const bool live = wid < nq + 2 * nk;
-  const int which = wid < nq ? 0 : wid < nq + nk ? 1 : 2;
-  const int p = live ? wid - (which == 0 ? 0 : which == 1 ? nq : nq + nk) : 0;   // the row pair in its matrix
-  const int head = 2 * p / D, i = p % (D / 2);
-  int row[2];
-  if (which == 2 || TRAD) { row[0] = 2 * p; row[1] = 2 * p + 1; }
-  else { row[0] = head * D + i; row[1] = head * D + i + D / 2; }
+  const int lane = threadIdx.x & 31, nq = hq * D / 2, nk = hkv * D / 2, pairs = nq + 2 * nk;
+  // warp wid's row pair: p in matrix `which` (q, k, v), rows row[] of head `head`, RoPE pair i
+  int wid = blockIdx.x * NW + threadIdx.x / 32, which, p, head, i, row[2];
   const uint32_t* wr[2];
   const T* sr[2];
   const T* br[2];
-  #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    if (which == 0) ::ref_layer::row_ptrs<T, B0, G0>(w0, s0, b0, k, row[r], wr[r], sr[r], br[r]);
-    else if (which == 1) ::ref_layer::row_ptrs<T, B1, G1>(w1, s1, b1, k, row[r], wr[r], sr[r], br[r]);
-    else ::ref_layer::row_ptrs<T, B2, G2>(w2, s2, b2, k, row[r], wr[r], sr[r], br[r]);
-  }
-  // the position and the pair's rate, asked for now (volatile: nvcc moved a plain load to its use after the dot,
-  // where the block then waited a trip to memory, as the H200 ncu profile's stall samples show)
-  int at;
   float rate = 0.0f;
+  auto point = [&]() {
+    which = wid < nq ? 0 : wid < nq + nk ? 1 : 2;
+    p = wid < pairs ? wid - (which == 0 ? 0 : which == 1 ? nq : nq + nk) : 0;
+    head = 2 * p / D;
+    i = p % (D / 2);
+    if (which == 2 || TRAD) { row[0] = 2 * p; row[1] = 2 * p + 1; }
+    else { row[0] = head * D + i; row[1] = head * D + i + D / 2; }
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (which == 0) ::ref_layer::row_ptrs<T, B0, G0>(w0, s0, b0, k, row[r], wr[r], sr[r], br[r]);
+      else if (which == 1) ::ref_layer::row_ptrs<T, B1, G1>(w1, s1, b1, k, row[r], wr[r], sr[r], br[r]);
+      else ::ref_layer::row_ptrs<T, B2, G2>(w2, s2, b2, k, row[r], wr[r], sr[r], br[r]);
+    }
+    // the pair's rate, asked for now (volatile: nvcc moves a plain load to its use after the dot)
+    if (wid < pairs && which < 2) asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(rate) : "l"(freqs + i));
+  };
+  point();
+  // the position, asked for now too: a plain load after the dot left the block waiting a trip to memory at its
+  // end, as the H200 ncu profile's stall samples show
+  int at;
   asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(at) : "l"(pos));
-  if (live && which < 2) asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(rate) : "l"(freqs + i));
-  if (live) ::ref_layer::prefetch<2, U>(wr, k * (which == 0 ? B0 : which == 1 ? B1 : B2) / 32);
+  if (wid < pairs) ::ref_layer::prefetch<2, U>(wr, k * (which == 0 ? B0 : which == 1 ? B1 : B2) / 32);
   ::ref_layer::stage_norm<T>(x, nw, eps[0], k, xs);
   if constexpr (Q8) ::ref_layer::quantize_row(xs, k);
-  if (!live) return;
   const bool al = (((uintptr_t)w0 | (uintptr_t)w1 | (uintptr_t)w2) & 15) == 0;
-  float y[2];
-  #define REF_DOT(B, G) \
-    if (al) ::ref_layer::dot_row<Q8, true, T, B, G, 2, U>(xs, k, wr, sr, br, y); \
-    else ::ref_layer::dot_row<Q8, false, T, B, G, 2, U>(xs, k, wr, sr, br, y);
-  if (which == 0) { REF_DOT(B0, G0) }
-  else if (which == 1) { REF_DOT(B1, G1) }
-  else { REF_DOT(B2, G2) }
-  #undef REF_DOT
-  if (lane != 0) return;
-  float a = ::ref_layer::rnd<T>(y[0]), c = ::ref_layer::rnd<T>(y[1]);   // the projections, in T
-  if (which < 2) {
-    float sn, cs;
-    sincosf((float)at * rate, &sn, &cs);
-    const float a2 = a * cs - c * sn;
-    c = a * sn + c * cs;
-    a = a2;
-  }
-  if (which == 0) {
-    q[row[0]] = ::ref_gemv::from_float<T>(a);
-    q[row[1]] = ::ref_gemv::from_float<T>(c);
-  } else {
-    T* cache = const_cast<T*>(which == 1 ? kc : vc);
-    const int64_t base = ((int64_t)head * cap + at) * D;
-    cache[base + row[0] % D] = ::ref_gemv::from_float<T>(a);
-    cache[base + row[1] % D] = ::ref_gemv::from_float<T>(c);
+  // the block stages the normed row once and computes warps wid, wid + NW * gridDim.x, ... (a launch with fewer
+  // blocks than groups of NW pairs pays for fewer stagings)
+  while (wid < pairs) {
+    float y[2];
+    #define REF_DOT(B, G) \
+      if (al) ::ref_layer::dot_row<Q8, true, T, B, G, 2, U>(xs, k, wr, sr, br, y); \
+      else ::ref_layer::dot_row<Q8, false, T, B, G, 2, U>(xs, k, wr, sr, br, y);
+    if (which == 0) { REF_DOT(B0, G0) }
+    else if (which == 1) { REF_DOT(B1, G1) }
+    else { REF_DOT(B2, G2) }
+    #undef REF_DOT
+    if (lane == 0) {
+      float a = ::ref_layer::rnd<T>(y[0]), c = ::ref_layer::rnd<T>(y[1]);   // the projections, in T
+      if (which < 2) {
+        float sn, cs;
+        sincosf((float)at * rate, &sn, &cs);
+        const float a2 = a * cs - c * sn;
+        c = a * sn + c * cs;
+        a = a2;
+      }
+      if (which == 0) {
+        q[row[0]] = ::ref_gemv::from_float<T>(a);
+        q[row[1]] = ::ref_gemv::from_float<T>(c);
+      } else {
+        T* cache = const_cast<T*>(which == 1 ? kc : vc);
+        const int64_t base = ((int64_t)head * cap + at) * D;
+        cache[base + row[0] % D] = ::ref_gemv::from_float<T>(a);
+        cache[base + row[1] % D] = ::ref_gemv::from_float<T>(c);
+      }
+    }
+    wid += NW * gridDim.x;
+    point();
   }
 """
 
@@ -537,8 +558,8 @@ ATTENTION = r"""
 # Norm, then the MLP's gate and up projections (gate_up in the header)
 MLP_IN = r"""
   extern __shared__ float xs[];
-  ::ref_layer::gate_up<T, NW, B0, G0, R, U, Q8>(blockIdx.x, x, nw, eps[0], nw_shape[0], w0, s0, b0, w1, s1, b1,
-                                                w0_shape[0], y, xs);
+  ::ref_layer::gate_up<T, NW, B0, G0, R, U, Q8>(blockIdx.x, gridDim.x, x, nw, eps[0], nw_shape[0], w0, s0, b0, w1,
+                                                s1, b1, w0_shape[0], y, xs);
 """
 
 # The down projection plus the residual: y = h + (a W^T), each in T
@@ -559,7 +580,7 @@ MLP = r"""
   const int k = nw_shape[0], f = w0_shape[0], na = (f + NW * R - 1) / (NW * R);
   const int t = ::ref_layer::ticket(counters);
   if (t < na) {
-    ::ref_layer::gate_up<T, NW, B0, G0, R, U, Q8>(t, x, nw, eps[0], k, w0, s0, b0, w1, s1, b1, f, a, xs);
+    ::ref_layer::gate_up<T, NW, B0, G0, R, U, Q8>(t, na, x, nw, eps[0], k, w0, s0, b0, w1, s1, b1, f, a, xs);
     ::ref_layer::arrive(counters);
   } else {
     ::ref_layer::project<T, NW, B1, G1, R, UD, Q8D>(t - na, f, w2, s2, b2, x, k, y, xs, [&] {

@@ -1,8 +1,8 @@
 """The fused layer's launch settings as data, and its kernels timed per setting ("layer-launch").
 
 `kernels/fusedlayer.py` launches each of its five kernels with settings from its tables: warps per block
-(WARPS), 16-byte loads per row in flight (UNROLL, dense and quantized), rows per warp (ROWS_PER_WARP) and
-attend's keys per split (KEYS_PER_SPLIT). A `Setting` names the entries a measurement changes; `applied`
+(WARPS), 16-byte loads per row in flight (UNROLL, dense and quantized), rows per warp (ROWS_PER_WARP), groups of
+rows per block (GROUPS_PER_BLOCK) and attend's keys per split (KEYS_PER_SPLIT). A `Setting` names the entries a measurement changes; `applied`
 puts them in place for the length of a `with` block and `relaunch` recomputes the fused layers' launches
 from them, so the GPU runs exactly the setting recorded beside each number (`launch_fields`).
 
@@ -41,6 +41,7 @@ class Setting:
     warps: dict[str, int] = field(default_factory=dict)     # kernel -> warps per block
     unroll: dict[str, int] = field(default_factory=dict)    # kernel -> 16-byte loads per row in flight
     rows_per_warp: int | None = None
+    groups: dict[str, int] = field(default_factory=dict)    # kernel -> groups of rows per block (GROUPS_PER_BLOCK)
     keys_per_split: int | None = None
     prefetch: bool | None = None     # attend prefetches attn_out's matrix into L2 (fusedlayer.PREFETCH)
     merge: tuple[str, ...] | None = None   # the kernel pairs run as one launch each (fusedlayer.MERGE)
@@ -50,6 +51,7 @@ class Setting:
     def changed(self) -> dict:
         """What the setting changes, as the records keep it ({} for the defaults)."""
         out = {"warps": dict(self.warps), "unroll": dict(self.unroll), "rows_per_warp": self.rows_per_warp,
+               "groups_per_block": dict(self.groups),
                "keys_per_split": self.keys_per_split, "prefetch": self.prefetch,
                "merge": None if self.merge is None else list(self.merge),
                "int8": self.int8 or None}
@@ -70,7 +72,8 @@ class Setting:
 SWEEP = (Setting(), Setting(rows_per_warp=1), Setting(rows_per_warp=4),
          Setting(warps={k: 4 for k in fusedlayer.WARPS}), Setting(warps={k: 16 for k in fusedlayer.WARPS}),
          Setting(unroll={k: 8 for k in ("attn_in", "attn_out", "mlp_out")}),
-         Setting(keys_per_split=32), Setting(keys_per_split=128))
+         Setting(keys_per_split=32), Setting(keys_per_split=128),
+         Setting(groups={"attn_in": 2, "mlp_in": 2}), Setting(groups={"attn_in": 4, "mlp_in": 4}))
 
 
 @contextlib.contextmanager
@@ -78,18 +81,19 @@ def applied(setting: Setting) -> Iterator[None]:
     """The fused layer's launch tables with `setting`'s entries in place, restored on leaving (layers built
     or relaunched inside keep the setting: `relaunch`)."""
     saved = (fusedlayer.WARPS, fusedlayer.UNROLL, fusedlayer.ROWS_PER_WARP, fusedlayer.KEYS_PER_SPLIT,
-             fusedlayer.PREFETCH, fusedlayer.MERGE)
+             fusedlayer.PREFETCH, fusedlayer.MERGE, fusedlayer.GROUPS_PER_BLOCK)
     fusedlayer.WARPS = {**saved[0], **setting.warps}
     fusedlayer.UNROLL = {**saved[1], **{k: (u, u) for k, u in setting.unroll.items()}}
     fusedlayer.ROWS_PER_WARP = setting.rows_per_warp or saved[2]
     fusedlayer.KEYS_PER_SPLIT = setting.keys_per_split or saved[3]
     fusedlayer.PREFETCH = saved[4] if setting.prefetch is None else setting.prefetch
     fusedlayer.MERGE = saved[5] if setting.merge is None else setting.merge
+    fusedlayer.GROUPS_PER_BLOCK = {**saved[6], **setting.groups}
     try:
         yield
     finally:
         (fusedlayer.WARPS, fusedlayer.UNROLL, fusedlayer.ROWS_PER_WARP, fusedlayer.KEYS_PER_SPLIT,
-         fusedlayer.PREFETCH, fusedlayer.MERGE) = saved
+         fusedlayer.PREFETCH, fusedlayer.MERGE, fusedlayer.GROUPS_PER_BLOCK) = saved
 
 
 def relaunch(model: Model, int8: bool = False) -> int:
@@ -104,7 +108,8 @@ def relaunch(model: Model, int8: bool = False) -> int:
 def launch_fields(quantized: bool) -> dict:
     """The launch tables as they stand, for a dense or quantized model: what a record says ran."""
     return {"warps": dict(fusedlayer.WARPS), "unroll": {k: v[int(quantized)] for k, v in fusedlayer.UNROLL.items()},
-            "rows_per_warp": fusedlayer.ROWS_PER_WARP, "keys_per_split": fusedlayer.KEYS_PER_SPLIT,
+            "rows_per_warp": fusedlayer.ROWS_PER_WARP, "groups_per_block": dict(fusedlayer.GROUPS_PER_BLOCK),
+            "keys_per_split": fusedlayer.KEYS_PER_SPLIT,
             "prefetch": fusedlayer.PREFETCH, "merge": list(fusedlayer.MERGE)}
 
 
