@@ -6,7 +6,8 @@ pairs, warp sums), so a matrix is read the same way in both. Every kernel that m
 first stages its input row in shared memory as float32, with one pad float after every 32 so that lane l,
 reading values 32c..32c+31 of its chunk c, meets a bank no other lane meets (bank (c + i) mod 32).
 `SOURCES` maps each kernel to its body; the bodies name their inputs as fusedlayer.py passes them. The header's
-int8-activation functions (quantize_row, dot_q8) are int8_cuda.py's text, placed inside it.
+parts for reading matrices (matrix_cuda.py, with int8_cuda.py's int8 activations), attending (attend_cuda.py)
+and handing over within a launch (handoff_cuda.py) are those modules' text, placed inside it.
 
 See chapter: dispatch-kernel
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 from ref_impl.kernels.cuda import HEADER as GEMV_HEADER
 from ref_impl.kernels.attend_cuda import ATTEND
 from ref_impl.kernels.handoff_cuda import HANDOFF
-from ref_impl.kernels.int8_cuda import INT8
+from ref_impl.kernels.matrix_cuda import MATRIX
 
 # The header in parts, in the order they build on each other; a kernel's source carries the parts it uses
 # (`header`): MLX copies and hashes a kernel's whole source at every launch, on the host.
@@ -49,135 +50,7 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 """,
-    "matrix": r"""
-// The values of one 32-bit word of a row: 8 4-bit codes, 4 8-bit codes or 2 16-bit floats
-template <typename T, int BITS>
-__device__ __forceinline__ void word_values(uint32_t v, float (&q)[32 / BITS]) {
-  if constexpr (BITS == 16) {
-    const float2 p = ::ref_gemv::to_float2<T>(v);
-    q[0] = p.x;
-    q[1] = p.y;
-  } else {
-    ::ref_gemv::decode(v, q);
-  }
-}
-
-// Chunks c0, c0 + 32, ..., c0 + 32 (U - 1) of RW rows (16 bytes of words, CV values each) and, for an affine
-// format, their groups' scales and biases, all asked for before any is used; zeros past the row's end
-template <bool AL, bool AFFINE, typename T, int CV, int GROUP, int RW, int U>
-__device__ __forceinline__ void load_chunks(int c0, int chunks, const uint32_t* const (&w)[RW],
-                                            const T* const (&s)[RW], const T* const (&b)[RW], uint4 (&wq)[U][RW],
-                                            float (&sc)[U][RW], float (&bi)[U][RW]) {
-  #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int c = c0 + 32 * u;
-    #pragma unroll
-    for (int r = 0; r < RW; ++r) {
-      wq[u][r] = c < chunks ? ::ref_gemv::load_weights<AL>(w[r] + 4 * c) : make_uint4(0u, 0u, 0u, 0u);
-      if constexpr (AFFINE) {
-        sc[u][r] = c < chunks ? to_float(s[r][c * CV / GROUP]) : 0.0f;
-        bi[u][r] = c < chunks ? to_float(b[r][c * CV / GROUP]) : 0.0f;
-      }
-    }
-  }
-}
-
-// This lane's partial dot products of RW weight rows with x (k floats in shared memory, padded). Row r:
-// words w[r] (codes, or the dense row as pairs of T), scales s[r] and biases b[r] per GROUP (affine).
-// Lane l reads 16-byte chunks l, l + 32, ..., U chunks of every row in flight before it computes.
-template <bool AL, typename T, int BITS, int GROUP, int RW, int U>
-__device__ __forceinline__ void dot(const float* xs, int k, const uint32_t* const (&w)[RW], const T* const (&s)[RW],
-                                    const T* const (&b)[RW], float (&tot)[RW]) {
-  constexpr int V = 32 / BITS;                 // values per word
-  constexpr int CV = 4 * V;                    // values per chunk, all in one group
-  constexpr bool AFFINE = BITS != 16;
-  const int lane = threadIdx.x & 31, chunks = k / CV;
-  #pragma unroll
-  for (int r = 0; r < RW; ++r) tot[r] = 0.0f;
-  for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
-    uint4 wq[U][RW];
-    float sc[U][RW], bi[U][RW];
-    load_chunks<AL, AFFINE, T, CV, GROUP, RW, U>(c0, chunks, w, s, b, wq, sc, bi);
-    #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + 32 * u;
-      if (c < chunks) {
-        const float* xc = xs + pad(c * CV);   // a chunk never crosses a pad: contiguous, 16-byte aligned
-        float acc[RW], xsum[2] = {0.0f, 0.0f};   // sums of x at even and odd positions
-        #pragma unroll
-        for (int r = 0; r < RW; ++r) acc[r] = 0.0f;
-        #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          float xv[V];
-          if constexpr (V >= 4) {
-            #pragma unroll
-            for (int j = 0; j < V / 4; ++j) {
-              const float4 v4 = reinterpret_cast<const float4*>(xc)[i * (V / 4) + j];
-              xv[4 * j] = v4.x;
-              xv[4 * j + 1] = v4.y;
-              xv[4 * j + 2] = v4.z;
-              xv[4 * j + 3] = v4.w;
-            }
-          } else {
-            const float2 v2 = reinterpret_cast<const float2*>(xc)[i];
-            xv[0] = v2.x;
-            xv[1] = v2.y;
-          }
-          #pragma unroll
-          for (int e = 0; e < V; ++e) xsum[e & 1] += xv[e];
-          #pragma unroll
-          for (int r = 0; r < RW; ++r) {
-            float q[V];
-            word_values<T, BITS>(word(wq[u][r], i), q);
-            #pragma unroll
-            for (int e = 0; e < V; ++e) acc[r] = fmaf(q[e], xv[e], acc[r]);
-          }
-        }
-        #pragma unroll
-        for (int r = 0; r < RW; ++r) {
-          tot[r] += AFFINE ? ::ref_gemv::affine<BITS>(sc[u][r], bi[u][r], acc[r], xsum[0], xsum[1]) : acc[r];
-        }
-      }
-    }
-  }
-  #pragma unroll
-  for (int r = 0; r < RW; ++r) tot[r] = warp_sum(tot[r]);
-}
-
-""" + INT8 + r"""
-// The dot product of a kernel's rows with its staged row: on the int8 copy (Q8, quantized matrices) or the floats
-template <bool Q8, bool AL, typename T, int BITS, int GROUP, int RW, int U>
-__device__ __forceinline__ void dot_row(float* xs, int k, const uint32_t* const (&w)[RW], const T* const (&s)[RW],
-                                        const T* const (&b)[RW], float (&tot)[RW]) {
-  if constexpr (Q8 && BITS != 16) dot_q8<AL, T, BITS, GROUP, RW, U>(xs, k, w, s, b, tot);
-  else dot<AL, T, BITS, GROUP, RW, U>(xs, k, w, s, b, tot);
-}
-
-// Row `row` of one matrix as dot() takes it: words per row k * BITS / 32, groups per row k / GROUP
-template <typename T, int BITS, int GROUP>
-__device__ __forceinline__ void row_ptrs(const void* w, const T* s, const T* b, int k, int row,
-                                         const uint32_t*& wr, const T*& sr, const T*& br) {
-  wr = reinterpret_cast<const uint32_t*>(w) + (int64_t)row * (k * BITS / 32);
-  sr = BITS == 16 ? nullptr : s + (int64_t)row * (k / GROUP);
-  br = BITS == 16 ? nullptr : b + (int64_t)row * (k / GROUP);
-}
-
-// An L2 prefetch of the first U chunks a lane will read of each of its rows (`words` 32-bit words a row):
-// HBM starts on them while the block stages its input row, which the dot must wait for
-template <int RW, int U>
-__device__ __forceinline__ void prefetch(const uint32_t* const (&w)[RW], int words) {
-  const int lane = threadIdx.x & 31;
-  #pragma unroll
-  for (int r = 0; r < RW; ++r) {
-    #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = lane + 32 * u;
-      if (4 * c < words) asm volatile("prefetch.global.L2 [%0];" :: "l"(w[r] + 4 * c));
-    }
-  }
-}
-
-""",
+    "matrix": MATRIX,
     "stage_norm": r"""
 // Chunk c of a row of T (values 8c..8c+7) as floats: one 16-byte load where the row is aligned (vec)
 template <typename T>

@@ -1,6 +1,6 @@
 """The CUDA C++ source of the fused layer's int8 activations: the device functions that quantize a kernel's staged
 input row to int8 per block of 32 values (`quantize_row`) and multiply quantized matrices by it with dp4a
-(`dot_q8`). fusedlayer_cuda.py places this text inside its header's namespace ref_layer, after the float dot()
+(`dot_q8`). matrix_cuda.py places this text in the fused layer's header (namespace ref_layer), after the float dot()
 whose helpers it uses and before dot_row(), which calls it where a kernel's template constant Q8 is set.
 
 References: llama.cpp ggml-cuda's q8_1 activations (a block of 32 values, d = max|x| / 127, with the block's sum)
