@@ -78,7 +78,9 @@ ROWS_PER_WARP = 2       # output rows a warp computes (attn_in: always one RoPE 
 # one's 8, so fewer suffice; quantized attn_in took 31.5 us with 4 and 25.7 with 2 (the profile above)
 UNROLL = {"attn_in": (4, 2), "attn_out": (4, 4), "mlp_in": (2, 2), "mlp_out": (4, 4)}
 # groups of rows (a block's worth: WARPS x rows per warp) each block computes, after staging its input row once:
-# fewer blocks, fewer stagings (attn_in and mlp_in, which norm their row; 1: a block per group)
+# fewer blocks, fewer stagings (attn_in and mlp_in, which norm their row; 1: a block per group). A probe on an
+# H100 (results/h100-20261206-172600-probe_settings.log, 8B 4-bit, queued alone, two rounds) had mlp_in a seventh
+# faster at 3 or 4 groups and attn_in, whose blocks all fit at once, slower at 2 and 4: a default once benched
 GROUPS_PER_BLOCK = {"attn_in": 1, "mlp_in": 1}
 KEYS_PER_SPLIT = 64     # attend: one block per key head and this many positions
 MAX_SPLITS = 32
