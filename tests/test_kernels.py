@@ -956,6 +956,18 @@ def test_fused_layer_says_why_it_leaves_a_layer():
     assert fusedlayer.why_not(biased.layers[0]) == "q_proj: a bias, which the kernels do not add"
 
 
+def test_numbers_the_kernels_read_are_over_eight_bytes():
+    """eps, scale and the write position reach the kernels as arrays of more than 8 bytes, each value first: MLX's
+    CUDA allocator keeps arrays of 8 bytes or less in one pool in host memory, which the GPU reads across PCIe."""
+    for offset in (0, 17, 4095):
+        at = fusedlayer.position(offset)
+        assert at.dtype == mx.int32 and at.nbytes > 8 and at[0].item() == offset
+    assert fusedlayer.position(17) is fusedlayer.position(17)       # one array a step, shared by every layer
+    for value in (1e-5, 1e-6, 128 ** -0.5):
+        x = fusedlayer.scalar(value, mx.float32)
+        assert x.dtype == mx.float32 and x.nbytes > 8 and x[0].item() == np.float32(value)
+
+
 def test_fused_layer_launches_cover_every_row():
     """The 8B layer's launch geometry: every output row (attn_in: every RoPE pair) has a warp, no block is
     wholly idle, each staged row fits its shared memory, attend splits the keys."""
