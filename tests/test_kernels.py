@@ -1290,6 +1290,10 @@ def main(only: str | None = None, part: str = "1/1") -> int:
         if (only and name != only) or getattr(test, "needs_cuda", CUDA) != CUDA:
             counts["skipped"] += not only
             continue
+        if set(inspect.signature(test).parameters) - {"tmp_path"}:      # pytest's other fixtures: run under pytest
+            counts["skipped"] += 1
+            print(f"{name} skipped: needs pytest's fixtures", flush=True)
+            continue
         print(f"{name} ...", flush=True)
         t0 = clock()
         if getattr(test, "isolated", False) and not only:

@@ -303,7 +303,8 @@ def rope_frequencies(attn: nn.Module) -> np.ndarray:
 def scalar(value: float, dtype: mx.Dtype) -> mx.array:
     """A number the kernels read (an eps, a scale) in GPU memory: four copies, made by a GPU op. MLX keeps every
     array of 8 bytes or less in one managed pool that the host writes and the GPU reads across PCIe
-    (mlx/backend/cuda/allocator.cpp); a GPU op's larger output gets device memory."""
+    (mlx/backend/cuda/allocator.cpp); a GPU op's larger output gets device memory, or a recycled buffer
+    outside that pool, which the GPU's write moves to the GPU."""
     return mx.full((4,), value, dtype=dtype)
 
 
