@@ -568,9 +568,15 @@ def test_fused_layer_timing_flow_with_stand_in_kernels():
         assert both["attention"][1] == both["attend"][1] + both["attn_out"][1]
         assert both["mlp"][1] == both["mlp_in"][1] + both["mlp_out"][1]
         layerlaunch.relaunch(model)
-        on, ms = fusedlayer.choose(model, rounds=1, tokens=2, context=8)
-        assert set(ms) == {"fused", "unfused"} and on == (ms["fused"] < ms["unfused"])
-        assert all(b.on == on for b in model.layers)
+        way, ms = fusedlayer.choose(model, rounds=1, tokens=2, context=8)    # off, and on with each merge
+        assert list(ms) == ["off", "on", "on+attention", "on+attention+mlp"] and ms[way] == min(ms.values())
+        merged = {"off": (), "on": (), "on+attention": ("attention",), "on+attention+mlp": ("attention", "mlp")}
+        assert all(b.on == (way != "off") and b.plan.merged == merged[way] for b in model.layers)
+        wide = layer_model(1024, 8, 1, 512, "q4q8", layers=2)   # 8 x 128 values: attention does not fit
+        fusedlayer.fuse(wide, int8=True)
+        way, ms = fusedlayer.choose(wide, rounds=1, tokens=2, context=8, unfused=False)   # the layers on
+        assert list(ms) == ["on", "on+mlp"] and way in ms
+        assert all(b.on and b.plan.int8 and b.plan.merged == merged[way][-1:] for b in wide.layers)
 
 
 def test_generate_says_what_it_chose_for_the_fused_layers():
@@ -582,7 +588,9 @@ def test_generate_says_what_it_chose_for_the_fused_layers():
         model = layer_model(256, 8, 2, 512, "f16", layers=2)
         assert "off (--compile" in fused_layers(model, compiled=True)
         line = fused_layers(model, compiled=False)
-        pattern = r"fused layers: (on|off) for 2 of 2 layers \(decode [\d.]+ ms/token fused, [\d.]+ unfused\)"
+        ways = r"(off|on|on\+attention|on\+attention\+mlp)"
+        pattern = (rf"fused layers: {ways} for 2 of 2 layers \(decode ms/token: off [\d.]+, on [\d.]+, "
+                   r"on\+attention [\d.]+, on\+attention\+mlp [\d.]+; \+: a pair as one launch\)")
         assert re.fullmatch(pattern, line), line
         q4 = layer_model(256, 8, 2, 512, "q4q8", layers=2)
         line = fused_layers(q4, compiled=False, int8=True)

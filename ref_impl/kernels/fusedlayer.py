@@ -19,8 +19,9 @@ layer computes what the unfused layer computes, up to float32 summation order.
 
 A pair can also run as one launch (MERGE): `attention` (attend, attn_out) or `mlp` (mlp_in, mlp_out). The first
 blocks of such a launch to start do the first kernel's work, the others wait for them on counters the layer
-keeps (handoff_cuda.py says why that cannot deadlock) and then do the second's. That saves the host a launch;
-on the GPU it measured slower at the 8B's shape, so by default no pair is merged.
+keeps (handoff_cuda.py says why that cannot deadlock) and then do the second's. That saves the host a launch
+and costs the GPU the wait: which wins depends on the model and the machine, so `choose` times each way (MERGES)
+when a model loads and keeps the fastest.
 
 The write into the cache happens inside attn_in, in place: the cache's buffers are inputs MLX does not know
 are written. That is safe because only this layer's kernels touch its buffers and attend, which reads them,
@@ -59,11 +60,12 @@ from ref_impl.platform.timing import clock, median
 KERNELS = tuple(SOURCES)
 # the kernel pairs that can run as one launch, each a launch fewer a layer (~30 us of host time): name -> halves
 PAIRS = {"attention": ("attend", "attn_out"), "mlp": ("mlp_in", "mlp_out")}
-# the pairs merged: none, as measured on an H100 (results/h100-20261206-155519.json, -155600.json, 4-bit): on the
-# 8B merged mlp took 5.76 ms of GPU a token against 4.27 (its kernel 114 us against mlp_in's 42 and mlp_out's 26),
-# merged attention 4.30; on the 1B merged attention and both pairs decoded at 671 and 722 tok/s against 621, in a
-# profile where attn_in, which no pairing changes, averaged 13 to 21 us a call: a choice at load should decide
+# the pairs a layer merges unless told (launches' merge): none. On an H100 (results/h100-20261206-155519.json,
+# -155600.json, 4-bit) the 8B's merged mlp took 5.76 ms of GPU a token against 4.27 (its kernel 114 us against
+# mlp_in's 42 and mlp_out's 26), merged attention 4.30; the 1B, host-bound, decoded at 671 tok/s with attention
+# merged and 722 with both, against 621: `choose` decides per model, timing each of MERGES
 MERGE: tuple[str, ...] = ()
+MERGES = ((), ("attention",), ("attention", "mlp"))
 STAGES = tuple(k for k in KERNELS if k not in PAIRS)   # the five kernels of a layer's step, merged or not
 # warps per block: a block stages its input row once for all its warps, so more warps share that cost, but
 # blocks that do not all fit at once leave SMs idle in the last wave. Each kernel's GPU time per call on the
@@ -225,8 +227,9 @@ def q8_bytes(k: int) -> int:
     return 8 * (k // 16) + k + 128
 
 
-def launches(block: TransformerBlock, int8: bool = False) -> Launches:
-    """The launch geometry of a layer that `why_not` accepts; int8: quantized matrices meet int8 activations."""
+def launches(block: TransformerBlock, int8: bool = False, merge: tuple[str, ...] | None = None) -> Launches:
+    """The launch geometry of a layer that `why_not` accepts; int8: quantized matrices meet int8 activations;
+    merge: the PAIRS to run as one launch each where they fit (None: MERGE)."""
     attn, mlp = block.self_attn, block.mlp
     fmts = [matrix(m)[0] for m in projections(block).values()]
     hq, hkv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
@@ -277,7 +280,8 @@ def launches(block: TransformerBlock, int8: bool = False) -> Launches:
     # ptxas (sm_90) gives it more than the 128 registers a thread that 16 warps may have, and it could not
     # launch; mlp's halves must agree on their block
     fits = {"attention": (hq // hkv) * hd <= 512 or WARPS["attn_out"] <= 8, "mlp": WARPS["mlp_in"] == WARPS["mlp_out"]}
-    return Launches(templates, grids, threads, shared, q8, tuple(p for p in MERGE if fits[p]))
+    merge = MERGE if merge is None else merge
+    return Launches(templates, grids, threads, shared, q8, tuple(p for p in merge if fits[p]))
 
 
 def grid(plan: Launches, name: str, keys: int, kv_heads: int) -> int:
@@ -328,12 +332,12 @@ class FusedLayer(TransformerBlock):
         self.on = False
         self.stages: dict[str, Callable[..., mx.array]] = {}
 
-    def switch(self, on: bool, int8: bool | None = None) -> None:
-        """Run one-token steps fused (on) or as the plain layer, with int8 activations or float ones (None: as
-        before; otherwise the launches are recomputed from the tables as they stand); on binds the layer's arrays
-        now."""
-        if int8 is not None:
-            self.plan = launches(self, int8)
+    def switch(self, on: bool, int8: bool | None = None, merge: tuple[str, ...] | None = None) -> None:
+        """Run one-token steps fused (on) or as the plain layer, with int8 activations or float ones and `merge`'s
+        pairs as one launch each (both None: as before; otherwise the launches are recomputed from the tables as
+        they stand, an int8 left None as before, a merge left None as MERGE); on binds the layer's arrays now."""
+        if int8 is not None or merge is not None:
+            self.plan = launches(self, self.plan.int8 if int8 is None else int8, merge)
         self.on = on
         self.stages = self.bind() if on else {}
 
@@ -473,27 +477,35 @@ def decode_seconds(model: Model, tokens: int = 16, context: int = 64) -> float:
     return (clock() - start) / tokens
 
 
-def choose(model: Model, rounds: int = 3, tokens: int = 16, context: int = 64) -> tuple[bool, dict[str, float]]:
-    """Fuse what `fuse` can, then time decode (`tokens` after `context`) with the fused layers on and off,
-    interleaved over `rounds`, and keep the faster on: (fused on, median ms per token of each setting). Off
-    CUDA: nothing fused or timed."""
+def choose(model: Model, rounds: int = 3, tokens: int = 16, context: int = 64, unfused: bool = True
+           ) -> tuple[str, dict[str, float]]:
+    """Fuse what `fuse` can, then time decode (`tokens` after `context`) with the fused layers off (unless not
+    `unfused`) and on with each of MERGES that the layers fit, interleaved over `rounds`, and keep the fastest:
+    (its name, median ms per token of each way). Names: "off", "on", and "on+" the pairs merged
+    ("on+attention+mlp"). Off CUDA: nothing fused or timed ("off", {})."""
     if not on_cuda() or not any(isinstance(b, FusedLayer) for b in model.layers) and len(fuse(model)) == \
             len(model.layers):
-        return False, {}
-    times: dict[str, list[float]] = {"fused": [], "unfused": []}
+        return "off", {}
+    first = next(b for b in model.layers if isinstance(b, FusedLayer))
+    ways: dict[str, tuple[str, ...] | None] = {"off": None} if unfused else {}
+    for merge in MERGES:                # a pair that does not fit runs as two launches: the same way as another
+        kept = launches(first, first.plan.int8, merge).merged
+        ways.setdefault("+".join(("on", *kept)), kept)
+    times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(rounds):
-        for name in times:
-            enable(model, name == "fused")
+        for name, merge in ways.items():
+            enable(model, merge is not None, merge)
             times[name].append(decode_seconds(model, tokens, context) * 1e3)
     ms = {k: median(v) for k, v in times.items()}
-    on = ms["fused"] < ms["unfused"]
-    enable(model, on)
-    return on, ms
+    best = min(ms, key=ms.get)
+    enable(model, ways[best] is not None, ways[best])
+    return best, ms
 
 
-def enable(model: Model, on: bool) -> int:
-    """Switch every FusedLayer of the model on or off; returns how many there are."""
+def enable(model: Model, on: bool, merge: tuple[str, ...] | None = None) -> int:
+    """Switch every FusedLayer of the model on or off, with `merge`'s pairs as one launch each (None: as they
+    were); returns how many there are."""
     fused = [b for b in model.layers if isinstance(b, FusedLayer)]
     for b in fused:
-        b.switch(on)
+        b.switch(on, merge=merge)
     return len(fused)

@@ -107,16 +107,17 @@ def load_file(path: str | Path, options: LoadOptions = LoadOptions()) -> Loaded:
 
 
 def fused_layers(model: Model, compiled: bool, int8: bool = False) -> str:
-    """Run decode through the fused decoder layers (int8: their quantized matrices with int8 activations) where
-    a measurement at load finds them faster; the line that says what was chosen and why."""
+    """Run decode through the fused decoder layers (int8: their quantized matrices with int8 activations), with
+    the kernel pairs merged or not, as a measurement at load finds fastest; the line that says what was chosen and
+    why."""
     if compiled:
         return "fused layers: off (--compile replays one traced graph of MLX's own operations)"
     left = fusedlayer.fuse(model, int8=int8)
     if len(left) == len(model.layers):
         return f"fused layers: none ({next(iter(left.values()))})"
-    on, ms = fusedlayer.choose(model)
+    way, ms = fusedlayer.choose(model)
     n_int8 = sum(isinstance(b, fusedlayer.FusedLayer) and b.plan.int8 for b in model.layers)
     acts = f", {n_int8} with int8 activations" if int8 else ""
-    return (f"fused layers: {'on' if on else 'off'} for {len(model.layers) - len(left)} of {len(model.layers)} "
-            f"layers{acts} (decode {ms['fused']:.2f} ms/token fused, {ms['unfused']:.2f} unfused)"
+    return (f"fused layers: {way} for {len(model.layers) - len(left)} of {len(model.layers)} layers{acts} "
+            f"(decode ms/token: {', '.join(f'{k} {v:.2f}' for k, v in ms.items())}; +: a pair as one launch)"
             + "".join(f"; layer {i}: {why}" for i, why in list(left.items())[:3]))

@@ -38,8 +38,9 @@ from ref_impl.theory.roofline import matmul_shapes
 
 # MLX's built-ins, our GEMVs where faster, with the fused gate/up and q/k/v kernels; "+compiled": each decode
 # step one mx.compile'd graph (generate.compiled_decoder); "layers": every decoder layer five fused kernels
-# (kernels/fusedlayer.py; its records name the pairs that ran as one launch, `merged`), the LM head as "kernels"
-# runs it; "+int8": the fused layers' quantized matrices meet int8 activations (quantized weights only)
+# (kernels/fusedlayer.py), their pairs merged into one launch as `fusedlayer.choose` finds fastest at load (the
+# records name them, `merged`, with each way's ms a token, `merge_ms`), the LM head as "kernels" runs it; "+int8":
+# the fused layers' quantized matrices meet int8 activations (quantized weights only)
 DECODE_VARIANTS = ("native", "native+compiled", "kernels", "kernels+fused", "kernels+fused+compiled", "layers",
                    "layers+int8")
 
@@ -394,10 +395,13 @@ def weight_type_records(run: KernelRun, args: ModelArgs, wt: str, work_dir: Path
             if len(left) == len(model.layers) or nothing_int8:
                 records.append(record("decode-kernels", "skipped", None, None, variant=variant, **fields, note=said))
                 continue
+            way, merge_ms = fusedlayer.choose(model, unfused=False)     # the pairs merged as generate would
+            run.say(f"{wt} {variant}: {way} chosen; decode ms/token " + ", ".join(
+                f"{k} {v:.2f}" for k, v in merge_ms.items()))
         rec, ids[variant] = variant_records(run, model, variant, step_bytes, fields)
-        if variant.startswith("layers"):     # which kernel pairs ran as one launch (fusedlayer.MERGE)
+        if variant.startswith("layers"):     # which kernel pairs ran as one launch, and each way's timing at load
             merged = next(list(b.plan.merged) for b in model.layers if isinstance(b, fusedlayer.FusedLayer))
-            rec = [{**r, "merged": merged} for r in rec]
+            rec = [{**r, "merged": merged, "merge_ms": merge_ms} for r in rec]
         records += rec
         if variant.startswith("layers"):
             records += layer_records(run, model, variant, fields)
