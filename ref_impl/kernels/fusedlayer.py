@@ -487,18 +487,18 @@ def choose(model: Model, rounds: int = 3, tokens: int = 16, context: int = 64, u
             len(model.layers):
         return "off", {}
     first = next(b for b in model.layers if isinstance(b, FusedLayer))
-    ways: dict[str, tuple[str, ...] | None] = {"off": None} if unfused else {}
+    ways: dict[str, tuple[str, ...]] = {"off": ()} if unfused else {}     # name -> the pairs merged
     for merge in MERGES:                # a pair that does not fit runs as two launches: the same way as another
         kept = launches(first, first.plan.int8, merge).merged
         ways.setdefault("+".join(("on", *kept)), kept)
     times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(rounds):
         for name, merge in ways.items():
-            enable(model, merge is not None, merge)
+            enable(model, name != "off", merge)
             times[name].append(decode_seconds(model, tokens, context) * 1e3)
     ms = {k: median(v) for k, v in times.items()}
     best = min(ms, key=ms.get)
-    enable(model, ways[best] is not None, ways[best])
+    enable(model, best != "off", ways[best])
     return best, ms
 
 
