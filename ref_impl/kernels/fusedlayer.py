@@ -63,7 +63,8 @@ PAIRS = {"attention": ("attend", "attn_out"), "mlp": ("mlp_in", "mlp_out")}
 # the pairs a layer merges unless told (launches' merge): none. On an H100 (results/h100-20261206-155519.json,
 # -155600.json, 4-bit) the 8B's merged mlp took 5.76 ms of GPU a token against 4.27 (its kernel 114 us against
 # mlp_in's 42 and mlp_out's 26), merged attention 4.30; the 1B, host-bound, decoded at 671 tok/s with attention
-# merged and 722 with both, against 621: `choose` decides per model, timing each of MERGES
+# merged and 722 with both, against 621: `choose` decides per model, timing each of MERGES (at 7011f89 it kept
+# both on the 1B's Q4_K_M, 1.30 ms a token against 1.56, none on the 8B: results/h100-20261206-194743.json, -195037)
 MERGE: tuple[str, ...] = ()
 MERGES = ((), ("attention",), ("attention", "mlp"))
 STAGES = tuple(k for k in KERNELS if k not in PAIRS)   # the five kernels of a layer's step, merged or not
