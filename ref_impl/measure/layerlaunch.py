@@ -68,12 +68,14 @@ class Setting:
         return "; ".join(parts) or "defaults"
 
 
-# the queued sweep's settings: today's defaults and their neighbours, one table entry at a time
+# the queued sweep's settings: today's defaults and their neighbours, one table entry at a time; mlp_in's groups
+# and attend's prefetch are the two leads a probe left (fusedlayer.GROUPS_PER_BLOCK, PREFETCH)
 SWEEP = (Setting(), Setting(rows_per_warp=1), Setting(rows_per_warp=4),
          Setting(warps={k: 4 for k in fusedlayer.WARPS}), Setting(warps={k: 16 for k in fusedlayer.WARPS}),
          Setting(unroll={k: 8 for k in ("attn_in", "attn_out", "mlp_out")}),
          Setting(keys_per_split=32), Setting(keys_per_split=128),
-         Setting(groups={"attn_in": 2, "mlp_in": 2}), Setting(groups={"attn_in": 4, "mlp_in": 4}))
+         Setting(groups={"attn_in": 2}), *(Setting(groups={"mlp_in": g}) for g in (2, 3, 4)),
+         Setting(prefetch=not fusedlayer.PREFETCH))
 
 
 @contextlib.contextmanager
