@@ -495,18 +495,18 @@ def choose(model: Model, rounds: int = 3, tokens: int = 16, context: int = 64, u
     times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(rounds):
         for name, merge in ways.items():
-            enable(model, name != "off", merge)
+            enable(model, name != "off", merge=merge)
             times[name].append(decode_seconds(model, tokens, context) * 1e3)
     ms = {k: median(v) for k, v in times.items()}
     best = min(ms, key=ms.get)
-    enable(model, best != "off", ways[best])
+    enable(model, best != "off", merge=ways[best])
     return best, ms
 
 
-def enable(model: Model, on: bool, merge: tuple[str, ...] | None = None) -> int:
-    """Switch every FusedLayer of the model on or off, with `merge`'s pairs as one launch each (None: as they
-    were); returns how many there are."""
+def enable(model: Model, on: bool, int8: bool | None = None, merge: tuple[str, ...] | None = None) -> int:
+    """Switch every FusedLayer of the model on or off, with int8 or float activations and `merge`'s pairs as one
+    launch each (FusedLayer.switch: both None, the launches as they were); returns how many there are."""
     fused = [b for b in model.layers if isinstance(b, FusedLayer)]
     for b in fused:
-        b.switch(on, merge=merge)
+        b.switch(on, int8, merge)
     return len(fused)

@@ -2,9 +2,10 @@
 
 `kernels/fusedlayer.py` launches each of its five kernels with settings from its tables: warps per block
 (WARPS), 16-byte loads per row in flight (UNROLL, dense and quantized), rows per warp (ROWS_PER_WARP), groups of
-rows per block (GROUPS_PER_BLOCK) and attend's keys per split (KEYS_PER_SPLIT). A `Setting` names the entries a measurement changes; `applied`
-puts them in place for the length of a `with` block and `relaunch` recomputes the fused layers' launches
-from them, so the GPU runs exactly the setting recorded beside each number (`launch_fields`).
+rows per block (GROUPS_PER_BLOCK) and attend's keys per split (KEYS_PER_SPLIT). A `Setting` names the entries a
+measurement changes; `applied` puts them in place for the length of a `with` block and `relaunch` recomputes the
+fused layers' launches from them, so the GPU runs exactly the setting recorded beside each number
+(`launch_fields`).
 
 `bench_layer_launches` (`python -m ref_impl bench --layer-launches`) times every fused kernel queued over
 the layers of random Llama-3.1-8B-shaped models, "q4q8" (4-bit groups of 32, v and down 8-bit: a Q4_K_M
@@ -101,10 +102,7 @@ def applied(setting: Setting) -> Iterator[None]:
 def relaunch(model: Model, int8: bool = False) -> int:
     """Recompute every fused layer's launches from the tables as they stand, with int8 or float activations,
     and switch it on; returns how many there are."""
-    fused = [b for b in model.layers if isinstance(b, fusedlayer.FusedLayer)]
-    for b in fused:
-        b.switch(True, int8)
-    return len(fused)
+    return fusedlayer.enable(model, True, int8)
 
 
 def launch_fields(quantized: bool) -> dict:
