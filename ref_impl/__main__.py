@@ -317,7 +317,8 @@ def add_bench(sub) -> None:
                    help="held-out tokens for --quant, --quant-groups and --capstone's perplexity, a sample spread "
                         "over the text (default: all, the book's perplexity; 0: skip --quant's and --capstone's)")
     b.add_argument("--shape", help="decode a random-weight model of this public shape, e.g. Llama-3.1-8B")
-    b.add_argument("--weights", nargs="+", default=["F16", "Q4_K"], help="weight types for --shape")
+    b.add_argument("--weights", nargs="+", default=["F16", "Q4_K"],
+                   help="weight types for --shape; the fused-layer probes take F16 and Q4_K (their 4-bit mix)")
     b.add_argument("--roofs", action="store_true",
                    help="this machine's roofs alone: memory probes (MLX copy and read; numpy's copy on a CPU) and the "
                         "matmul peak; --model, --shape, --kernels and --capstone record them too")

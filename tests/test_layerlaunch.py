@@ -88,3 +88,11 @@ def test_off_cuda_the_sweep_is_one_skipped_record(monkeypatch):
     (rec,) = layerlaunch.bench_layer_launches()
     assert rec["experiment"] == "layer-launch" and rec["metric"] == "skipped"
     assert "needs MLX's CUDA backend" in rec["note"]
+
+
+def test_bench_weights_names_pick_the_probes_mixes():
+    assert layerlaunch.mixes(["F16", "Q4_K"]) == ("q4q8", "F16")     # bench's default: both, in MIXES' order
+    assert layerlaunch.mixes(["F16"]) == ("F16",)
+    assert layerlaunch.mixes(["Q4_K_M", "q4q8"]) == ("q4q8",)
+    with pytest.raises(ValueError, match="'Q8_0'.*F16 or a 4-bit K-quant"):
+        layerlaunch.mixes(["F16", "Q8_0"])

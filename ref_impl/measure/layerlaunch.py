@@ -127,6 +127,19 @@ def mix_model(weights: str, shape: str = "Llama-3.1-8B", layers: int | None = No
     return model
 
 
+def mixes(weights: Sequence[str]) -> tuple[str, ...]:
+    """The MIXES that bench's --weights names ask for, in MIXES' order: F16 as itself, a 4-bit K-quant (Q4_K,
+    Q4_K_M, Q4_K_S) or q4q8 as "q4q8" (its stand-in); a name neither is refused, named."""
+    def mix(name: str) -> str:
+        if name in MIXES:
+            return name
+        if name.upper().startswith("Q4_K"):
+            return "q4q8"
+        raise ValueError(f"weights {name!r}: the fused-layer probes measure F16 or a 4-bit K-quant's mix (q4q8)")
+    asked = {mix(w) for w in weights}
+    return tuple(m for m in MIXES if m in asked)
+
+
 def needs_cuda(experiment: str, **fields) -> list[dict]:
     """One "skipped" record off MLX's CUDA backend (the fused kernels run nowhere else), else none."""
     if on_cuda():
