@@ -77,58 +77,46 @@ __device__ __forceinline__ void dot_q8(float* xs, int k, const uint32_t* const (
   constexpr int CV = 128 / BITS;               // values per 16-byte chunk
   const float2* ds = q8_scales(xs, k);
   const uint8_t* xq = q8_values(xs, k);
-  const int lane = threadIdx.x & 31, chunks = k / CV, region = q8_region(k);
-  #pragma unroll
-  for (int r = 0; r < RW; ++r) tot[r] = 0.0f;
-  for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
-    uint4 wq[U][RW];
-    float sc[U][RW], bi[U][RW];
-    load_chunks<AL, true, T, CV, GROUP, RW, U>(c0, chunks, w, s, b, wq, sc, bi);
-    #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + 32 * u;
-      if (c < chunks) {
-        uint4 xa, xb;
-        float d, xsum;
-        if constexpr (BITS == 4) {               // block c: values 0-15 in the first region, 16-31 in the second
-          xa = *reinterpret_cast<const uint4*>(xq + 16 * c);
-          xb = *reinterpret_cast<const uint4*>(xq + region + 16 * c);
-          const float4 f = *reinterpret_cast<const float4*>(ds + 2 * c);
-          d = f.x;
-          xsum = f.y + f.w;
-        } else {                                 // half c & 1 of block c >> 1
-          xa = *reinterpret_cast<const uint4*>(xq + (c & 1) * region + 16 * (c >> 1));
-          xb = xa;
-          const float2 f = ds[c];
-          d = f.x;
-          xsum = f.y;
-        }
-        #pragma unroll
-        for (int r = 0; r < RW; ++r) {
-          const uint4 v = wq[u][r];
-          int acc = 0;
-          if constexpr (BITS == 4) {             // word i: values 8i..8i+7, even codes in the low nibbles
-            acc = dot4(v.x & 0x0F0F0F0Fu, xa.x, acc);
-            acc = dot4((v.x >> 4) & 0x0F0F0F0Fu, xa.y, acc);
-            acc = dot4(v.y & 0x0F0F0F0Fu, xa.z, acc);
-            acc = dot4((v.y >> 4) & 0x0F0F0F0Fu, xa.w, acc);
-            acc = dot4(v.z & 0x0F0F0F0Fu, xb.x, acc);
-            acc = dot4((v.z >> 4) & 0x0F0F0F0Fu, xb.y, acc);
-            acc = dot4(v.w & 0x0F0F0F0Fu, xb.z, acc);
-            acc = dot4((v.w >> 4) & 0x0F0F0F0Fu, xb.w, acc);
-          } else {                               // words of 4 codes in order: gather the even and odd positions
-            acc = dot4(__byte_perm(v.x, v.y, 0x6420), xa.x, acc);
-            acc = dot4(__byte_perm(v.x, v.y, 0x7531), xa.y, acc);
-            acc = dot4(__byte_perm(v.z, v.w, 0x6420), xa.z, acc);
-            acc = dot4(__byte_perm(v.z, v.w, 0x7531), xa.w, acc);
-          }
-          tot[r] += fmaf(sc[u][r] * d, (float)acc, bi[u][r] * xsum);
-        }
-      }
+  const int region = q8_region(k);
+  each_chunk<AL, true, T, CV, GROUP, RW, U>(k, w, s, b, tot, [&](int c, const uint4 (&wq)[RW],
+                                                                 const float (&sc)[RW], const float (&bi)[RW]) {
+    uint4 xa, xb;
+    float d, xsum;
+    if constexpr (BITS == 4) {               // block c: values 0-15 in the first region, 16-31 in the second
+      xa = *reinterpret_cast<const uint4*>(xq + 16 * c);
+      xb = *reinterpret_cast<const uint4*>(xq + region + 16 * c);
+      const float4 f = *reinterpret_cast<const float4*>(ds + 2 * c);
+      d = f.x;
+      xsum = f.y + f.w;
+    } else {                                 // half c & 1 of block c >> 1
+      xa = *reinterpret_cast<const uint4*>(xq + (c & 1) * region + 16 * (c >> 1));
+      xb = xa;
+      const float2 f = ds[c];
+      d = f.x;
+      xsum = f.y;
     }
-  }
-  #pragma unroll
-  for (int r = 0; r < RW; ++r) tot[r] = warp_sum(tot[r]);
+    #pragma unroll
+    for (int r = 0; r < RW; ++r) {
+      const uint4 v = wq[r];
+      int acc = 0;
+      if constexpr (BITS == 4) {             // word i: values 8i..8i+7, even codes in the low nibbles
+        acc = dot4(v.x & 0x0F0F0F0Fu, xa.x, acc);
+        acc = dot4((v.x >> 4) & 0x0F0F0F0Fu, xa.y, acc);
+        acc = dot4(v.y & 0x0F0F0F0Fu, xa.z, acc);
+        acc = dot4((v.y >> 4) & 0x0F0F0F0Fu, xa.w, acc);
+        acc = dot4(v.z & 0x0F0F0F0Fu, xb.x, acc);
+        acc = dot4((v.z >> 4) & 0x0F0F0F0Fu, xb.y, acc);
+        acc = dot4(v.w & 0x0F0F0F0Fu, xb.z, acc);
+        acc = dot4((v.w >> 4) & 0x0F0F0F0Fu, xb.w, acc);
+      } else {                               // words of 4 codes in order: gather the even and odd positions
+        acc = dot4(__byte_perm(v.x, v.y, 0x6420), xa.x, acc);
+        acc = dot4(__byte_perm(v.x, v.y, 0x7531), xa.y, acc);
+        acc = dot4(__byte_perm(v.z, v.w, 0x6420), xa.z, acc);
+        acc = dot4(__byte_perm(v.z, v.w, 0x7531), xa.w, acc);
+      }
+      tot[r] += fmaf(sc[r] * d, (float)acc, bi[r] * xsum);
+    }
+  });
 }
 
 """

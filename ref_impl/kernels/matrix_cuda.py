@@ -44,15 +44,11 @@ __device__ __forceinline__ void load_chunks(int c0, int chunks, const uint32_t* 
   }
 }
 
-// This lane's partial dot products of RW weight rows with x (k floats in shared memory, padded). Row r:
-// words w[r] (codes, or the dense row as pairs of T), scales s[r] and biases b[r] per GROUP (affine).
-// Lane l reads 16-byte chunks l, l + 32, ..., U chunks of every row in flight before it computes.
-template <bool AL, typename T, int BITS, int GROUP, int RW, int U>
-__device__ __forceinline__ void dot(const float* xs, int k, const uint32_t* const (&w)[RW], const T* const (&s)[RW],
-                                    const T* const (&b)[RW], float (&tot)[RW]) {
-  constexpr int V = 32 / BITS;                 // values per word
-  constexpr int CV = 4 * V;                    // values per chunk, all in one group
-  constexpr bool AFFINE = BITS != 16;
+// A lane's pass over its chunks of RW rows: chunks l, l + 32, ..., U of every row asked for at once
+// (load_chunks), then chunk(c, wq, sc, bi) adds each one inside the row to tot; tot ends as the warp's sums
+template <bool AL, bool AFFINE, typename T, int CV, int GROUP, int RW, int U, class Chunk>
+__device__ __forceinline__ void each_chunk(int k, const uint32_t* const (&w)[RW], const T* const (&s)[RW],
+                                           const T* const (&b)[RW], float (&tot)[RW], Chunk chunk) {
   const int lane = threadIdx.x & 31, chunks = k / CV;
   #pragma unroll
   for (int r = 0; r < RW; ++r) tot[r] = 0.0f;
@@ -63,47 +59,60 @@ __device__ __forceinline__ void dot(const float* xs, int k, const uint32_t* cons
     #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + 32 * u;
-      if (c < chunks) {
-        const float* xc = xs + pad(c * CV);   // a chunk never crosses a pad: contiguous, 16-byte aligned
-        float acc[RW], xsum[2] = {0.0f, 0.0f};   // sums of x at even and odd positions
-        #pragma unroll
-        for (int r = 0; r < RW; ++r) acc[r] = 0.0f;
-        #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          float xv[V];
-          if constexpr (V >= 4) {
-            #pragma unroll
-            for (int j = 0; j < V / 4; ++j) {
-              const float4 v4 = reinterpret_cast<const float4*>(xc)[i * (V / 4) + j];
-              xv[4 * j] = v4.x;
-              xv[4 * j + 1] = v4.y;
-              xv[4 * j + 2] = v4.z;
-              xv[4 * j + 3] = v4.w;
-            }
-          } else {
-            const float2 v2 = reinterpret_cast<const float2*>(xc)[i];
-            xv[0] = v2.x;
-            xv[1] = v2.y;
-          }
-          #pragma unroll
-          for (int e = 0; e < V; ++e) xsum[e & 1] += xv[e];
-          #pragma unroll
-          for (int r = 0; r < RW; ++r) {
-            float q[V];
-            word_values<T, BITS>(word(wq[u][r], i), q);
-            #pragma unroll
-            for (int e = 0; e < V; ++e) acc[r] = fmaf(q[e], xv[e], acc[r]);
-          }
-        }
-        #pragma unroll
-        for (int r = 0; r < RW; ++r) {
-          tot[r] += AFFINE ? ::ref_gemv::affine<BITS>(sc[u][r], bi[u][r], acc[r], xsum[0], xsum[1]) : acc[r];
-        }
-      }
+      if (c < chunks) chunk(c, wq[u], sc[u], bi[u]);
     }
   }
   #pragma unroll
   for (int r = 0; r < RW; ++r) tot[r] = warp_sum(tot[r]);
+}
+
+// This lane's partial dot products of RW weight rows with x (k floats in shared memory, padded). Row r:
+// words w[r] (codes, or the dense row as pairs of T), scales s[r] and biases b[r] per GROUP (affine).
+// Lane l reads 16-byte chunks l, l + 32, ..., U chunks of every row in flight before it computes.
+template <bool AL, typename T, int BITS, int GROUP, int RW, int U>
+__device__ __forceinline__ void dot(const float* xs, int k, const uint32_t* const (&w)[RW], const T* const (&s)[RW],
+                                    const T* const (&b)[RW], float (&tot)[RW]) {
+  constexpr int V = 32 / BITS;                 // values per word
+  constexpr int CV = 4 * V;                    // values per chunk, all in one group
+  constexpr bool AFFINE = BITS != 16;
+  each_chunk<AL, AFFINE, T, CV, GROUP, RW, U>(k, w, s, b, tot, [&](int c, const uint4 (&wq)[RW],
+                                                                   const float (&sc)[RW], const float (&bi)[RW]) {
+    const float* xc = xs + pad(c * CV);   // a chunk never crosses a pad: contiguous, 16-byte aligned
+    float acc[RW], xsum[2] = {0.0f, 0.0f};   // sums of x at even and odd positions
+    #pragma unroll
+    for (int r = 0; r < RW; ++r) acc[r] = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float xv[V];
+      if constexpr (V >= 4) {
+        #pragma unroll
+        for (int j = 0; j < V / 4; ++j) {
+          const float4 v4 = reinterpret_cast<const float4*>(xc)[i * (V / 4) + j];
+          xv[4 * j] = v4.x;
+          xv[4 * j + 1] = v4.y;
+          xv[4 * j + 2] = v4.z;
+          xv[4 * j + 3] = v4.w;
+        }
+      } else {
+        const float2 v2 = reinterpret_cast<const float2*>(xc)[i];
+        xv[0] = v2.x;
+        xv[1] = v2.y;
+      }
+      #pragma unroll
+      for (int e = 0; e < V; ++e) xsum[e & 1] += xv[e];
+      #pragma unroll
+      for (int r = 0; r < RW; ++r) {
+        float q[V];
+        word_values<T, BITS>(word(wq[r], i), q);
+        #pragma unroll
+        for (int e = 0; e < V; ++e) acc[r] = fmaf(q[e], xv[e], acc[r]);
+      }
+    }
+    #pragma unroll
+    for (int r = 0; r < RW; ++r) {
+      tot[r] += AFFINE ? ::ref_gemv::affine<BITS>(sc[r], bi[r], acc[r], xsum[0], xsum[1]) : acc[r];
+    }
+  });
 }
 
 """ + INT8 + r"""
