@@ -44,12 +44,14 @@ def test_peers_decode_the_same_greedy_tokens(records):
     assert agreement and all(v == 1.0 for v in agreement.values()), agreement
 
 
-def test_results_file_has_the_one_shape(records, tmp_path):
+def test_results_file_has_the_one_shape(records, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", "0")
     path = write_results(records, tmp_path, "python -m ref_impl bench (test)", label="test-machine")
     doc = json.loads(path.read_text())
     assert path.name.startswith("test-machine-") and doc["schema"] == 1
     assert set(doc) == {"schema", "date", "git", "command", "machine", "records"}
     assert {"label", "cpu", "cores", "gpu", "backend", "mlx", "python", "blas"} <= set(doc["machine"])
+    assert doc["machine"]["mlx_env"]["MLX_USE_CUDA_GRAPHS"] == "0"     # how MLX ran is part of the machine
     assert doc["records"] == records
 
 

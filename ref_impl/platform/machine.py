@@ -38,7 +38,9 @@ def _gpu_name() -> str | None:
 
 
 def machine_info(label: str | None = None) -> dict:
-    """What ran the numbers: CPU, cores, GPU, MLX backend and version, Python, BLAS."""
+    """What ran the numbers: CPU, cores, GPU, MLX backend and version, Python, BLAS, and the MLX_ environment
+    variables set (MLX reads some once, at its first kernel: MLX_USE_CUDA_GRAPHS changes how a step reaches the
+    GPU)."""
     gpu = _gpu_name()
     on_gpu = mx.default_device() == mx.gpu
     backend = ("metal" if mx.metal.is_available() else "cuda") if on_gpu else "cpu"
@@ -46,7 +48,7 @@ def machine_info(label: str | None = None) -> dict:
         "label": label or f"{platform.node() or 'machine'}-{backend}",
         "cpu": _cpu_model(), "cores": os.cpu_count(), "gpu": gpu, "backend": backend,
         "mlx": mx.__version__, "python": platform.python_version(), "os": platform.platform(),
-        "blas": blas.blas_info(),
+        "blas": blas.blas_info(), "mlx_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MLX_")},
     }
 
 
