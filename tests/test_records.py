@@ -61,9 +61,9 @@ def test_runs_keep_the_records_whose_fields_all_match(tmp_path):
     assert records.runs("link", tmp_path, variant="a", metric="other") == []
 
 
-def write(tmp_path, name: str, label: str, date: str, recs: list[dict], git: str = "abc1234") -> None:
-    doc = {"schema": 1, "date": date, "git": git, "command": "python -m ref_impl bench", "machine": {"label": label},
-           "records": recs}
+def write(tmp_path, name: str, label: str, date: str, recs: list[dict], git: str = "abc1234", **machine) -> None:
+    doc = {"schema": 1, "date": date, "git": git, "command": "python -m ref_impl bench",
+           "machine": {"label": label, **machine}, "records": recs}
     (tmp_path / name).write_text(json.dumps(doc))
 
 
@@ -86,6 +86,13 @@ def test_the_reference_run_is_the_newest_complete_one_per_machine(tmp_path):
         records.read_run(tmp_path / "a-2.json").value("decode", "tokens_per_s")
     write(tmp_path, "c-1.json", "c", "2026-01-06T00:00:00+00:00", [speed(3.0)], git="unknown")   # no git there
     assert records.reference("decode", "c", tmp_path).caption == "c, 6 Jan 2026, commit not recorded (results/c-1.json)"
+    # a newer run that changed how MLX runs measured that change: no machine's reference, a run all the same
+    write(tmp_path, "a-4.json", "a", "2026-01-04T00:00:00+00:00", [speed(4.0)], mlx_env={"MLX_USE_CUDA_GRAPHS": "0"})
+    write(tmp_path, "a-5.json", "a", "2026-01-05T00:00:00+00:00", [speed(5.0)], mlx_env={})
+    assert records.reference("decode", "a", tmp_path, model="m").file == "a-5.json"
+    (tmp_path / "a-5.json").unlink()
+    assert records.reference("decode", "a", tmp_path, model="m").file == "a-2.json"
+    assert "a-4.json" in [r.file for r in records.runs("decode", tmp_path, model="m")]
 
 
 def test_a_reference_can_keep_only_runs_whose_fused_layers_merged_no_pair(tmp_path):
@@ -124,6 +131,9 @@ def test_shares_are_divided_by_the_fastest_probe_of_the_run_or_of_the_machines_r
     gbs, source = records.bandwidth(other, tmp_path)
     assert (gbs, source.file) == (20.0, "a-2.json") and records.peak_flops(other, tmp_path)[0] == 1e11
     assert records.bandwidth(records.read_run(tmp_path / "a-4.json"), tmp_path)[0] == 50.0   # its own, though
+    assert {k: v.file for k, v in records.roofs_references(tmp_path).items()} == {"a": "a-2.json"}
+    write(tmp_path, "a-5.json", "a", "2026-01-05T00:00:00+00:00", [probe(9.0, "copy"), probe(9.0, "read")],
+          mlx_env={"MLX_USE_CUDA_GRAPHS": "0"})                   # MLX as it does not come: no machine's roofs
     assert {k: v.file for k, v in records.roofs_references(tmp_path).items()} == {"a": "a-2.json"}
     with pytest.raises(LookupError, match="no memory probe recorded on b"):
         records.bandwidth(records.read_run(tmp_path / "b-1.json"), tmp_path)

@@ -198,13 +198,20 @@ def complete(run: Run) -> bool:
     return not any(isinstance(r["value"], float) and not math.isfinite(r["value"]) for r in run.records)
 
 
+def mlx_defaults(run: Run) -> bool:
+    """Whether a run ran MLX as it comes: no MLX_ environment variable set (machine.mlx_env; files written before
+    it was recorded set none). A run that changed one (MLX_USE_CUDA_GRAPHS=0) measured that change, not the machine."""
+    return not run.machine.get("mlx_env")
+
+
 def references(experiment: str, results_dir: Path = RESULTS_DIR, keep: Callable[[Run], bool] | None = None,
                **where) -> dict[str, Run]:
     """Per machine label, the run every chapter uses for `experiment` (records matching `where`): its newest
-    complete run, of those `keep` accepts (given its matching records) where given."""
+    complete run with MLX's defaults (`mlx_defaults`), of those `keep` accepts (given its matching records)
+    where given."""
     out: dict[str, Run] = {}
     for run in runs(experiment, results_dir, **where):     # oldest first: a newer complete run replaces
-        if complete(run) and (keep is None or keep(run)):
+        if complete(run) and mlx_defaults(run) and (keep is None or keep(run)):
             out[run.label] = run
     return out
 
@@ -251,7 +258,7 @@ def roofs_references(results_dir: Path = RESULTS_DIR) -> dict[str, Run]:
     probes, copy and read (a run cut short, or transcribed from a log that kept one probe, is no machine's roof)."""
     out: dict[str, Run] = {}
     for run in runs(ROOFS, results_dir):                   # oldest first: a newer full set replaces
-        if complete(run) and {"copy", "read"} <= {r["variant"] for r in run.select(ROOFS, metric="bandwidth")}:
+        if complete(run) and mlx_defaults(run) and {"copy", "read"} <= {r["variant"] for r in run.select(ROOFS, metric="bandwidth")}:
             out[run.label] = run
     return out
 
