@@ -7,10 +7,10 @@ results/<label>-<date>.json {schema, date, git, command, machine, records} (`wri
 A file read back is a `Run`: which machine, when, at which commit, by which command.
 
 Which run a page shows is chosen in one place. `reference(experiment, label)` is the run every chapter
-uses for one experiment on one reference machine: its newest complete run (`complete`: no value a NaN).
-`references` gives it for every machine that recorded the experiment, `runs` every run, oldest first, for
-the pages that set runs side by side, and `reference_runs` the whole table. A page that shows a number from
-any other run says which in its caption (`Run.caption`).
+uses for one experiment on one reference machine: its newest `referable` run (`complete`: no value a NaN,
+and `mlx_defaults`: no MLX_ variable set). `references` gives it for every machine that recorded the
+experiment, `runs` every run, oldest first, for the pages that set runs side by side, and `reference_runs`
+the whole table. A page that shows a number from any other run says which in its caption (`Run.caption`).
 
 One definition per quantity. The bandwidth a share of a run is divided by is `bandwidth(run)`: the fastest
 of the memory probes recorded in that run (`decode.roofs`: MLX's copy and read of one array, and on a CPU
@@ -204,14 +204,19 @@ def mlx_defaults(run: Run) -> bool:
     return not run.machine.get("mlx_env")
 
 
+def referable(run: Run) -> bool:
+    """Whether a run may be its machine's reference (of an experiment, or of its roofs): complete, and with MLX's
+    defaults."""
+    return complete(run) and mlx_defaults(run)
+
+
 def references(experiment: str, results_dir: Path = RESULTS_DIR, keep: Callable[[Run], bool] | None = None,
                **where) -> dict[str, Run]:
     """Per machine label, the run every chapter uses for `experiment` (records matching `where`): its newest
-    complete run with MLX's defaults (`mlx_defaults`), of those `keep` accepts (given its matching records)
-    where given."""
+    `referable` run, of those `keep` accepts (given its matching records) where given."""
     out: dict[str, Run] = {}
-    for run in runs(experiment, results_dir, **where):     # oldest first: a newer complete run replaces
-        if complete(run) and mlx_defaults(run) and (keep is None or keep(run)):
+    for run in runs(experiment, results_dir, **where):     # oldest first: a newer referable run replaces
+        if referable(run) and (keep is None or keep(run)):
             out[run.label] = run
     return out
 
@@ -258,7 +263,7 @@ def roofs_references(results_dir: Path = RESULTS_DIR) -> dict[str, Run]:
     probes, copy and read (a run cut short, or transcribed from a log that kept one probe, is no machine's roof)."""
     out: dict[str, Run] = {}
     for run in runs(ROOFS, results_dir):                   # oldest first: a newer full set replaces
-        if complete(run) and mlx_defaults(run) and {"copy", "read"} <= {r["variant"] for r in run.select(ROOFS, metric="bandwidth")}:
+        if referable(run) and {"copy", "read"} <= {r["variant"] for r in run.select(ROOFS, metric="bandwidth")}:
             out[run.label] = run
     return out
 
